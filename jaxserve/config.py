@@ -1,0 +1,168 @@
+"""Frozen, keyword-only configuration dataclasses. YAML and JSON are only their serialisation."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from jaxserve.errors import JaxserveError
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Rotary-frequency scaling: `linear` divides every frequency, `llama3` only the low ones."""
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise JaxserveError(f"unsupported rope scaling type {self.kind!r}; expected 'linear' or 'llama3'")
+        if self.factor <= 0:
+            raise JaxserveError(f"rope scaling factor must be positive, got {self.factor}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    architecture: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise JaxserveError(
+                f"unknown architecture {self.architecture!r}; jaxserve supports {', '.join(ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise JaxserveError(f"model config {name} must be at least 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise JaxserveError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise JaxserveError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Builds the config from a Hugging Face `config.json` of Llama, Mistral or Qwen2."""
+        model_type = hf.get("model_type", "")
+        if model_type not in ARCHITECTURES:
+            raise JaxserveError(
+                f"unknown architecture model_type={model_type!r} in config.json; "
+                f"jaxserve supports {', '.join(ARCHITECTURES)}"
+            )
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        return cls(
+            architecture=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=_hf_rope_theta(hf),
+            rope_scaling=_hf_rope_scaling(hf),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        )
+
+
+def _hf_rope_theta(hf: dict[str, Any]) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def _hf_rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
+    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not rs:
+        return None
+    kind = rs.get("rope_type") or rs.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(rs["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(rs["factor"]),
+            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        )
+    raise JaxserveError(f"unsupported rope scaling type {kind!r} in config.json; expected linear or llama3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise JaxserveError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise JaxserveError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise JaxserveError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise JaxserveError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+T = TypeVar("T")
+
+
+def load_yaml(cls: type[T], path: str) -> T:
+    """Loads a YAML file into the frozen config dataclass `cls`; unknown keys are an error."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise JaxserveError(f"{path}: unknown keys {unknown} for {cls.__name__}; known keys: {sorted(known)}")
+    return cls(**data)

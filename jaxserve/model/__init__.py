@@ -1,0 +1,1 @@
+"""Device side: weights pytrees and pure functions over them."""

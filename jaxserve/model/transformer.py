@@ -1,0 +1,138 @@
+"""The Llama-family decoder as pure functions over the `Weights` pytree.
+
+Covers Llama (1/2/3, with Llama-3 rope scaling), Mistral and Qwen2 (q/k/v bias). Layers are
+unrolled in Python rather than run under `lax.scan`: XLA then schedules each layer's weight
+reads independently, which is what makes small-batch decode bandwidth-bound instead of
+latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.weights import Layer, Weights
+
+
+class ForwardOutput(NamedTuple):
+    logits: jax.Array  # [batch, seq, vocab] float32
+    cache: KVCache
+    hidden_states: tuple[jax.Array, ...]  # inputs of each layer, when asked for; else ()
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, scaled by `gain` in the input's dtype."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return gain * normed.astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim // 2], with linear or Llama-3 scaling applied."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    if scaling.kind == "linear":
+        return (inv_freq / scaling.factor).astype(np.float32)
+    # Llama 3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def dense_attention(
+    q: jax.Array,  # [b, t, heads, hd]
+    k: jax.Array,  # [b, s, kv_heads, hd]
+    v: jax.Array,  # [b, s, kv_heads, hd]
+    q_positions: jax.Array,  # [b, t]; query i sees keys 0..q_positions[i]
+) -> jax.Array:
+    """Causal grouped-query attention over a contiguous cache, softmax in float32."""
+    b, t, h, hd = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, t, kv, h // kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+    visible = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]  # [b, t, s]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, hd)
+
+
+def _layer(
+    cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+    inv_freq: np.ndarray,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    with jax.named_scope("attention"):
+        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dnh->btnh", h, w.wq)
+        k = jnp.einsum("btd,dnh->btnh", h, w.wk)
+        v = jnp.einsum("btd,dnh->btnh", h, w.wv)
+        if w.bq is not None:
+            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        rows = jnp.arange(x.shape[0])[:, None]
+        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+        attn = dense_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions)
+        x = x + jnp.einsum("btnh,nhd->btd", attn, w.wo)
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
+        gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, w.w_gate))
+        x = x + jnp.einsum("btf,fd->btd", gate * jnp.einsum("btd,df->btf", h, w.w_up), w.w_down)
+    return x, k_cache, v_cache
+
+
+def forward(
+    weights: Weights,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # [b, t] int32
+    positions: jax.Array,  # [b, t] int32; positions past the cache are dropped, not written
+    cache: KVCache,
+    *,
+    logit_indices: jax.Array | None = None,  # [b]: compute logits only at this index of each row
+    return_hidden: bool = False,
+) -> ForwardOutput:
+    """Runs the decoder over `tokens`, writing their K/V into `cache` at `positions`.
+
+    With `logit_indices`, logits are [b, 1, vocab] for the given index of each row (a prefill
+    needs only its last token's), which skips the output head for every other position.
+    """
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    x = jnp.take(weights.embed, tokens, axis=0)
+    hidden = []
+    ks, vs = [], []
+    for i, layer in enumerate(weights.layers):
+        if return_hidden:
+            hidden.append(x)
+        with jax.named_scope(f"layer_{i}"):
+            x, k_i, v_i = _layer(cfg, layer, x, positions, cache.k[i], cache.v[i], inv_freq)
+        ks.append(k_i)
+        vs.append(v_i)
+    if logit_indices is not None:
+        x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
+    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
+    head = weights.embed.T if weights.lm_head is None else weights.lm_head
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs)), tuple(hidden))
