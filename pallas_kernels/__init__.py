@@ -1,0 +1,1 @@
+"""Pallas kernels (Mosaic GPU and Mosaic TPU), each with a pure-jnp reference beside it."""
