@@ -103,8 +103,10 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
             f"{source}: tokenizer model {kind!r} is not supported; jaxserve reads byte-level BPE ('gpt2') "
             "GGUF tokenizers. Convert the model from a Hugging Face directory with tokenizer.json instead."
         )
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    if not tokens:
+        raise CheckpointError(f"{source}: the GGUF metadata has no tokenizer.ggml.tokens; the file carries no tokenizer")
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                               ignore_merges=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
