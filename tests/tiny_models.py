@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from tokenizers import pre_tokenizers
 
-TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+TINY = {"vocab_size": 260, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
 
 
 def hf_tiny(model_type: str, **overrides):

@@ -39,7 +39,7 @@ def read_hf_dir(directory: str, dtype: Any = np.float32) -> tuple[ModelConfig, W
             handle = safe_open(path, framework="flax")
         except Exception as e:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
-        for name in handle.keys():
+        for name in handle.keys():  # type: ignore[attr-defined]  # noqa: SIM118
             handles[name] = handle
 
     def get(name: str) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ from jaxserve.model.weights import pytree_dataclass
 
 
 @pytree_dataclass
+@dataclass(frozen=True)
 class KVCache:
     k: Any  # tuple over layers of [batch, max_len, kv_heads, head_dim]
     v: Any
@@ -19,7 +21,7 @@ class KVCache:
     @staticmethod
     def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         return KVCache(k=zeros(), v=zeros())
 
     @property

@@ -18,8 +18,17 @@ def sample(
     top_k: jax.Array,  # [b] int32; 0 means no limit
     top_p: jax.Array,  # [b] float32; 1 means no limit
 ) -> jax.Array:  # [b] int32
-    """Draws one token per row."""
+    """Draws one token per row; an all-greedy batch skips the vocabulary sort."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jnp.where(temperature > 0, _draw(logits, seeds, steps, temperature, top_k, top_p), greedy),
+        lambda: greedy,
+    )
+
+
+def _draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperature: jax.Array, top_k: jax.Array,
+          top_p: jax.Array) -> jax.Array:
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # descending
@@ -32,5 +41,4 @@ def sample(
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
     choice = jax.vmap(jax.random.categorical)(keys, masked)
-    sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)

@@ -133,6 +133,8 @@ def forward(
     if logit_indices is not None:
         x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    if weights.lm_head is None:
+        logits = jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
     return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs)), tuple(hidden))

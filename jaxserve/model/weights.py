@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +30,17 @@ class ArraySpec:
         assert len(self.shape) == len(self.axes), (self.shape, self.axes)
 
 
-def pytree_dataclass(cls: type) -> type:
-    """A frozen dataclass registered as a pytree; every field is a child."""
-    cls = dataclass(frozen=True)(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+T = TypeVar("T")
+
+
+def pytree_dataclass(cls: type[T]) -> type[T]:
+    """Registers a dataclass as a pytree whose every field is a child."""
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
 
 @pytree_dataclass
+@dataclass(frozen=True)
 class Layer:
     """One decoder block. Projections keep heads as an axis: wq is [embed, q_heads, head_dim]."""
 
@@ -75,6 +78,7 @@ class Layer:
 
 
 @pytree_dataclass
+@dataclass(frozen=True)
 class Weights:
     """The whole decoder. `lm_head` is None when the output head is tied to the embedding."""
 

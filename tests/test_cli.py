@@ -1,0 +1,50 @@
+"""The jaxserve command line on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def jaxserve(*args: str) -> subprocess.CompletedProcess:
+    exe = os.path.join(os.path.dirname(sys.executable), "jaxserve")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=600)
+
+
+def test_generate_json_continues_with_paris_and_keeps_prompt_order():
+    proc = jaxserve("generate", "--json", "--max-tokens", "12", "The capital of France is", "def add(a, b):")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [line["prompt"] for line in lines] == ["The capital of France is", "def add(a, b):"]
+    first = lines[0]
+    assert first["text"].startswith(" Paris")
+    assert set(first) >= {"text", "token_ids", "prompt_token_ids", "finish_reason"}
+    assert first["prompt_token_ids"] == [504, 3575, 282, 4649, 314]
+    assert first["finish_reason"] in ("stop", "length") and 1 <= len(first["token_ids"]) <= 12
+
+
+def test_generate_chat_and_sampling_flags():
+    proc = jaxserve("generate", "--chat", "--json", "--max-tokens", "16", "--temperature", "0.7", "--top-k", "40",
+                    "--top-p", "0.9", "--seed", "3", "What is the capital of France?")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_token_ids"][:1] == [1]  # <|im_start|>
+    again = json.loads(jaxserve("generate", "--chat", "--json", "--max-tokens", "16", "--temperature", "0.7",
+                                "--top-k", "40", "--top-p", "0.9", "--seed", "3",
+                                "What is the capital of France?").stdout)
+    assert again["token_ids"] == out["token_ids"], "same seed, same tokens"
+
+
+def test_info_json_reports_config_and_bytes():
+    proc = jaxserve("info", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["config"]["num_layers"] == 30 and info["config"]["num_kv_heads"] == 3
+    assert info["parameters"] == 134_515_008
+    assert info["parameter_bytes"] == 4 * info["parameters"]

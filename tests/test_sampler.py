@@ -1,0 +1,44 @@
+"""Sampling rules on hand-made logits."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.model.sampler import sample
+
+LOGITS = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512, jnp.float32))
+
+
+def draw(temperature=1.0, top_k=0, top_p=1.0, seeds=None, steps=0):
+    b = LOGITS.shape[0]
+    seeds = jnp.arange(b, dtype=jnp.uint32) if seeds is None else seeds
+    return np.asarray(sample(LOGITS, seeds, jnp.full(b, steps, jnp.int32), jnp.full(b, temperature, jnp.float32),
+                             jnp.full(b, top_k, jnp.int32), jnp.full(b, top_p, jnp.float32)))
+
+
+def test_zero_temperature_is_argmax():
+    assert (draw(temperature=0.0) == 0).all()
+
+
+def test_top_k_limits_the_support():
+    assert set(draw(top_k=2)) == {0, 1}
+    assert (draw(top_k=1) == 0).all()
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    assert set(draw(top_p=0.7)) == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
+    assert (draw(top_p=0.4) == 0).all()
+
+
+def test_frequencies_follow_the_distribution():
+    counts = np.bincount(draw(), minlength=4) / LOGITS.shape[0]
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.08)
+    assert set(draw()) == {0, 1, 2, 3}
+
+
+def test_seed_and_step_make_draws_reproducible_and_distinct():
+    same = jnp.full(LOGITS.shape[0], 7, jnp.uint32)
+    assert (draw(seeds=same) == draw(seeds=same)).all()
+    assert len(set(draw(seeds=same))) == 1  # one seed, one step: one key for every row
+    assert not (draw(steps=0) == draw(steps=1)).all()
