@@ -21,8 +21,8 @@ class KVCache:
     @staticmethod
     def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-        return KVCache(k=zeros(), v=zeros())
+        return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
     @property
     def max_len(self) -> int:
