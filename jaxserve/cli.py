@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxserve.errors import JaxserveError
+from jaxserve.errors import InputError, JaxserveError
 
 log = logging.getLogger("jaxserve")
 
@@ -39,27 +39,32 @@ def _load(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.config import SamplingParams
-    from jaxserve.generate import Generator
+    from jaxserve.step import build_engine, engine_config_for
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     model = _load(args)
     tok = model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompts]
-    generator = Generator(model)
-    completions = generator.generate(prompts, [params] * len(prompts))
-    for text_in, c in zip(args.prompts, completions):
-        text = tok.decode(c.token_ids)
+    for p in prompts:
+        if len(p) + params.max_tokens > model.config.max_position_embeddings:
+            raise InputError(
+                f"prompt of {len(p)} tokens plus max_tokens={params.max_tokens} exceeds the model's context of "
+                f"{model.config.max_position_embeddings} tokens; shorten the prompt or lower max_tokens"
+            )
+    engine = build_engine(model, engine_config_for([len(p) for p in prompts], params.max_tokens))
+    start = time.perf_counter()
+    requests = engine.generate(prompts, [params] * len(prompts))
+    for text_in, r in zip(args.prompts, requests):
         if args.json:
-            print(json.dumps({"prompt": text_in, "text": text, "token_ids": c.token_ids,
-                              "prompt_token_ids": c.prompt_token_ids, "finish_reason": c.finish_reason},
+            print(json.dumps({"prompt": text_in, "text": r.text, "token_ids": r.output_ids,
+                              "prompt_token_ids": r.prompt_ids, "finish_reason": r.finish_reason},
                              ensure_ascii=False), flush=True)
         else:
-            print(text if args.chat else text_in + text, flush=True)
-    stats = generator.last_stats
-    if stats is not None:
-        log.info("first tokens after %.3f s; decode %.1f tokens/s over %d steps at batch %d",
-                 stats.prefill_s, stats.decode_tokens_per_s, stats.decode_steps, stats.batch)
+            print(r.text if args.chat else text_in + r.text, flush=True)
+    tokens = sum(len(r.output_ids) for r in requests)
+    log.info("%d tokens in %.2f s (%.1f tokens/s) over %d engine steps", tokens, time.perf_counter() - start,
+             tokens / (time.perf_counter() - start), engine.stats.steps)
     return 0
 
 
@@ -89,11 +94,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Until the gRPC service lands: an interactive chat on stdin."""
-    from jaxserve.config import SamplingParams
-    from jaxserve.generate import Generator
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.step import build_engine
 
     model = _load(args)
-    generator = Generator(model)
+    engine = build_engine(model, EngineConfig(max_slots=1, num_pages=256, max_pages_per_slot=256))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print("jaxserve interactive demo (the gRPC server is not built yet). Type a message; Ctrl-D quits.",
           file=sys.stderr)
@@ -104,12 +109,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         history.append({"role": "user", "content": line.strip()})
         prompt = model.tokenizer.encode_chat(history)
         try:
-            completion = generator.generate([prompt], [params])[0]
+            reply = engine.generate([prompt], [params])[0].text
         except JaxserveError as e:
             print(f"error: {e}", file=sys.stderr)
             history.clear()
             continue
-        reply = model.tokenizer.decode(completion.token_ids)
         history.append({"role": "assistant", "content": reply})
         print(reply, flush=True)
     return 0

@@ -139,7 +139,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the host in the decoded text
     ignore_eos: bool = False
+    logprobs: int = 0  # how many top log-probabilities to return per token (0 to 20)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -150,6 +152,10 @@ class SamplingParams:
             raise JaxserveError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise JaxserveError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.logprobs <= 20:
+            raise JaxserveError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise JaxserveError("stop strings must not be empty")
 
 
 T = TypeVar("T")
@@ -166,3 +172,45 @@ def load_yaml(cls: type[T], path: str) -> T:
     if unknown:
         raise JaxserveError(f"{path}: unknown keys {unknown} for {cls.__name__}; known keys: {sorted(known)}")
     return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Sizes of the engine: slots, the page pool, and the compiled prefill chunk buckets."""
+
+    max_slots: int = 8
+    page_size: int = 16
+    num_pages: int = 512
+    max_pages_per_slot: int = 64  # the longest sequence a slot can hold is page_size * this
+    chunk_buckets: tuple[int, ...] = (16, 64, 256)  # prefill chunk sizes; the largest is the chunk limit
+    compilation_cache_dir: str | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "page_size", "num_pages", "max_pages_per_slot"):
+            if getattr(self, name) < 1:
+                raise JaxserveError(f"engine config {name} must be at least 1, got {getattr(self, name)}")
+        if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)):
+            raise JaxserveError(f"chunk_buckets must be strictly increasing and non-empty, got {self.chunk_buckets}")
+        if self.num_pages < self.max_pages_per_slot:
+            raise JaxserveError(
+                f"num_pages={self.num_pages} cannot hold even one full slot of max_pages_per_slot={self.max_pages_per_slot}"
+            )
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.page_size * self.max_pages_per_slot
+
+    @property
+    def max_chunk(self) -> int:
+        return self.chunk_buckets[-1]
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """Row counts of the compiled decode steps: powers of 4 below max_slots, and max_slots."""
+        sizes = {self.max_slots}
+        n = 1
+        while n < self.max_slots:
+            sizes.add(n)
+            n *= 4
+        return tuple(sorted(sizes))

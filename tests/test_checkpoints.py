@@ -8,20 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.checkpoint import LoadedModel, load_model, save_model
-from jaxserve.config import SamplingParams
-from jaxserve.generate import Generator
-from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.transformer import forward
+from jaxserve.checkpoint import load_model, save_model
+from tests.helpers import greedy, logits_of
 from tests.tiny_models import hf_tiny, write_gguf
 
 IDS = [5, 17, 200, 31, 99, 4, 250, 1, 64, 128, 7, 3]
-
-
-def logits_of(model: LoadedModel, ids: list[int]) -> np.ndarray:
-    cache = KVCache.zeros(model.config, 1, 32, jnp.float32)
-    positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    return np.asarray(forward(model.weights, model.config, jnp.asarray([ids]), positions, cache).logits[0])
 
 
 def hf_logits(hf, ids: list[int]) -> np.ndarray:
@@ -148,14 +139,12 @@ def test_orbax_round_trip_needs_no_source(tmp_path, smollm):
     prompt = smollm.tokenizer.encode("The capital of France is")
     assert restored.tokenizer.encode("The capital of France is") == prompt
     assert restored.tokenizer.chat_template == smollm.tokenizer.chat_template
-    params = [SamplingParams(max_tokens=8)]
-    assert (Generator(restored).generate([prompt], params)[0].token_ids
-            == Generator(smollm).generate([prompt], params)[0].token_ids)
+    assert greedy(restored, [prompt], 8) == greedy(smollm, [prompt], 8)
 
 
 def test_bfloat16_load(embedded_path):
     model = load_model(embedded_path, dtype="bfloat16")
     assert {x.dtype for x in jax.tree_util.tree_leaves(model.weights)} == {jnp.dtype(jnp.bfloat16)}
     prompt = model.tokenizer.encode("The capital of France is")
-    out = Generator(model).generate([prompt], [SamplingParams(max_tokens=4)])[0]
-    assert model.tokenizer.decode(out.token_ids).startswith(" Paris")
+    out = greedy(model, [prompt], 4)[0]
+    assert model.tokenizer.decode(out).startswith(" Paris")

@@ -75,11 +75,18 @@ def test_prompt_longer_than_context(capsys):
 
 
 def test_prompt_plus_max_tokens_beyond_context(smollm):
-    from jaxserve.config import SamplingParams
-    from jaxserve.generate import Generator
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.engine.engine import Engine
 
+    engine = Engine(runner=None, tokenizer=smollm.tokenizer, cfg=EngineConfig(max_pages_per_slot=1024, num_pages=1024),  # type: ignore[arg-type]
+                    vocab_size=smollm.config.vocab_size, context_len=smollm.config.max_position_embeddings)
     with pytest.raises(InputError, match="max_tokens=8000"):
-        Generator(smollm).check([1] * 500, SamplingParams(max_tokens=8000))
+        engine.submit([1] * 500, SamplingParams(max_tokens=8000))
+    with pytest.raises(InputError, match="token id 49152 is outside the vocabulary"):
+        engine.submit([1, 49152], SamplingParams())
+    with pytest.raises(InputError, match="more than a slot holds"):
+        Engine(runner=None, tokenizer=smollm.tokenizer, cfg=EngineConfig(), vocab_size=49152,  # type: ignore[arg-type]
+               context_len=8192).submit([1] * 1000, SamplingParams(max_tokens=100))
 
 
 @pytest.mark.parametrize("flag,value,message", [

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from jaxserve.config import SamplingParams
-from jaxserve.generate import Generator
-from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.transformer import forward
+from tests.helpers import full_forward, greedy
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +32,6 @@ MAX_REL_ERR = 1e-4
 def assert_close_rel(ours: np.ndarray, ref: np.ndarray, what: str) -> None:
     """Max absolute difference relative to the reference's largest magnitude."""
     err = float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
-    print(f"{what}: {err:.1e}")
     assert err <= MAX_REL_ERR, f"{what}: max relative error {err:.2e} > {MAX_REL_ERR}"
 
 
@@ -44,10 +39,7 @@ def test_hidden_states_and_logits_match_transformers(smollm, hf_model, hf_tokeni
     ids = hf_tokenizer("The capital of France is Paris, and the capital of Germany is").input_ids
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids]), output_hidden_states=True)
-    tokens = jnp.asarray([ids], jnp.int32)
-    positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    cache = KVCache.zeros(smollm.config, 1, 64, jnp.float32)
-    out = forward(smollm.weights, smollm.config, tokens, positions, cache, return_hidden=True)
+    out = full_forward(smollm, ids, return_hidden=True)
     # transformers' hidden_states: the embedding output, each layer's output, the last after the final norm.
     assert len(out.hidden_states) == smollm.config.num_layers
     for i, ours in enumerate(out.hidden_states):
@@ -71,8 +63,8 @@ def test_greedy_continuations_equal_transformers(smollm, hf_model, hf_tokenizer)
         expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
         assert ids == list(expected), "chat template renders differently from transformers"
     max_new = 20
-    ours = Generator(smollm).generate(prompts, [SamplingParams(max_tokens=max_new)] * len(prompts))
-    for prompt, completion in zip(prompts, ours):
+    ours = greedy(smollm, prompts, max_new)
+    for prompt, output in zip(prompts, ours):
         expected = _hf_greedy(hf_model, prompt, max_new, list(tok.eos_token_ids))
-        assert completion.token_ids == expected, tok.decode(prompt)
-    assert "Paris" in tok.decode(ours[0].token_ids)
+        assert output == expected, tok.decode(prompt)
+    assert "Paris" in tok.decode(ours[0])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.errors import InputError
-from jaxserve.server.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "Hello, world!",

@@ -1,4 +1,4 @@
-"""A contiguous KV cache: one [max_len] strip per batch row. The paged cache replaces it in the engine."""
+"""The paged KV cache: per layer, one pool of pages shared by every slot through page tables."""
 
 from __future__ import annotations
 
@@ -15,17 +15,21 @@ from jaxserve.model.weights import pytree_dataclass
 @pytree_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    k: Any  # tuple over layers of [batch, max_len, kv_heads, head_dim]
+    k: Any  # tuple over layers of [num_pages, page_size, kv_heads, head_dim]
     v: Any
 
     @staticmethod
-    def zeros(cfg: ModelConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> KVCache:
+        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
     @property
-    def max_len(self) -> int:
+    def num_pages(self) -> int:
+        return int(self.k[0].shape[0])
+
+    @property
+    def page_size(self) -> int:
         return int(self.k[0].shape[1])
 
 

@@ -8,7 +8,6 @@ latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.weights import Layer, Weights
+from pallas_kernels.paged_attention import paged_attention_reference
 
 
 class ForwardOutput(NamedTuple):
@@ -44,7 +44,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
+    wavelen = 2 * np.pi / inv_freq
     scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
@@ -62,27 +62,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def dense_attention(
-    q: jax.Array,  # [b, t, heads, hd]
-    k: jax.Array,  # [b, s, kv_heads, hd]
-    v: jax.Array,  # [b, s, kv_heads, hd]
-    q_positions: jax.Array,  # [b, t]; query i sees keys 0..q_positions[i]
-) -> jax.Array:
-    """Causal grouped-query attention over a contiguous cache, softmax in float32."""
-    b, t, h, hd = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, t, kv, h // kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
-    visible = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]  # [b, t, s]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, hd)
-
-
 def _layer(
-    cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-    inv_freq: np.ndarray,
+    cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+    write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, inv_freq: np.ndarray,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
@@ -92,34 +74,40 @@ def _layer(
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        rows = jnp.arange(x.shape[0])[:, None]
-        k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-        attn = dense_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions)
+        pages, offsets = write_at
+        flat = (x.shape[0] * x.shape[1], *k.shape[2:])
+        k_pages = k_pages.at[pages, offsets].set(k.reshape(flat).astype(k_pages.dtype), mode="drop")
+        v_pages = v_pages.at[pages, offsets].set(v.reshape(flat).astype(v_pages.dtype), mode="drop")
+        attn = paged_attention_reference(q, k_pages, v_pages, page_table, positions)
         x = x + jnp.einsum("btnh,nhd->btd", attn, w.wo)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, w.w_gate))
         x = x + jnp.einsum("btf,fd->btd", gate * jnp.einsum("btd,df->btf", h, w.w_up), w.w_down)
-    return x, k_cache, v_cache
+    return x, k_pages, v_pages
 
 
 def forward(
     weights: Weights,
     cfg: ModelConfig,
     tokens: jax.Array,  # [b, t] int32
-    positions: jax.Array,  # [b, t] int32; positions past the cache are dropped, not written
+    positions: jax.Array,  # [b, t] int32
+    valid: jax.Array,  # [b, t] bool: padding tokens write nothing
+    page_table: jax.Array,  # [b, pages_per_row] int32
     cache: KVCache,
     *,
     logit_indices: jax.Array | None = None,  # [b]: compute logits only at this index of each row
     return_hidden: bool = False,
 ) -> ForwardOutput:
-    """Runs the decoder over `tokens`, writing their K/V into `cache` at `positions`.
+    """Runs the decoder over `tokens`, writing their K/V into the pages of `cache` at `positions`.
 
     With `logit_indices`, logits are [b, 1, vocab] for the given index of each row (a prefill
     needs only its last token's), which skips the output head for every other position.
     """
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    size = cache.page_size
+    page_of = jnp.take_along_axis(page_table, positions // size, axis=1)
+    write_at = (jnp.where(valid, page_of, cache.num_pages).reshape(-1), (positions % size).reshape(-1))
     x = jnp.take(weights.embed, tokens, axis=0)
     hidden = []
     ks, vs = [], []
@@ -127,7 +115,7 @@ def forward(
         if return_hidden:
             hidden.append(x)
         with jax.named_scope(f"layer_{i}"):
-            x, k_i, v_i = _layer(cfg, layer, x, positions, cache.k[i], cache.v[i], inv_freq)
+            x, k_i, v_i = _layer(cfg, layer, x, positions, cache.k[i], cache.v[i], write_at, page_table, inv_freq)
         ks.append(k_i)
         vs.append(v_i)
     if logit_indices is not None:

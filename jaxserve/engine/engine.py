@@ -1,0 +1,229 @@
+"""The engine loop: schedule, run, postprocess, hand back finished work.
+
+Concurrency model. One engine thread owns every piece of mutable state: the scheduler (slots,
+pages, queues) and the device runner. Other threads talk to it only through queues: `submit`
+and `cancel` put messages in the inbox, and each request's updates come back on its own outbox
+queue. The engine drains the inbox at the top of every step, so a cancelled request frees its
+slot and pages within one step. Without a thread (`run_until_done`), the caller's thread is the
+engine thread. Host code only; the device side is behind the `runner` (see jaxserve/step.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.engine.batch import StepInput, StepOutput
+from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.errors import InputError
+
+
+class Runner(Protocol):
+    def run(self, inp: StepInput) -> StepOutput: ...
+    def width_for(self, length: int) -> int: ...
+    def rows_for(self, slots: int) -> int: ...
+
+
+@dataclass
+class Update:
+    """New output of one request: tokens, their text, and the finish reason once it is done."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    max_decode_rows: int = 0
+    steps_between_decodes: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, cfg: EngineConfig, *, vocab_size: int,
+                 context_len: int) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.scheduler = Scheduler(cfg)
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
+        self._outboxes: dict[str, queue.Queue[Update]] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._requests: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- the public surface ------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`."""
+        if not prompt_ids:
+            raise InputError("the prompt is empty: it encodes to zero tokens")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.context_len:
+            raise InputError(
+                f"prompt of {len(prompt_ids)} tokens plus max_tokens={params.max_tokens} exceeds the model's "
+                f"context of {self.context_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
+                          frozenset(stop_ids))
+        self.scheduler.check_fits(request)
+        self._outboxes[request.request_id] = queue.Queue()
+        self._inbox.put(("add", request))
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._inbox.put(("cancel", request))
+
+    def outbox(self, request_id: str) -> queue.Queue[Update]:
+        return self._outboxes[request_id]
+
+    def run_until_done(self) -> None:
+        """Steps on the caller's thread until every submitted request has finished."""
+        self._drain_inbox()
+        while self.scheduler.has_work:
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Request]:
+        """Submits every prompt, runs them batched to completion, returns the finished requests in order."""
+        requests = [self.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        self.run_until_done()
+        for r in requests:
+            self._outboxes.pop(r.request_id, None)
+        return requests
+
+    def start(self) -> None:
+        """Runs the loop on a background thread until `stop`."""
+        self._thread = threading.Thread(target=self._loop, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._inbox.put(("wake", None))  # type: ignore[arg-type]
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.scheduler.has_work:
+                self._handle(*self._inbox.get())
+            self._drain_inbox()
+            if self.scheduler.has_work:
+                self.step()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self._handle(*self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, request: Request) -> None:
+        if kind == "add":
+            self._requests[request.request_id] = request
+            self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer)
+            self.scheduler.add(request)
+        elif kind == "cancel" and not request.finished:
+            self.scheduler.abort(request)
+            self._emit(request, [], "", [])
+
+    def step(self) -> None:
+        """One iteration: plan, run the prefill chunk and the decode rows, postprocess."""
+        self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return
+        self.stats.steps += 1
+        if plan.prefill is not None:
+            chunk = plan.prefill
+            width = self.runner.width_for(chunk.length)
+            out = self.runner.run(StepInput.build([(chunk.request, chunk.start, chunk.length)], width,
+                                                  self.cfg.max_pages_per_slot))
+            self.stats.prefill_steps += 1
+            done = chunk.start + chunk.length == chunk.request.num_tokens
+            self._commit(chunk.request, chunk.length, out, 0, sampled=done)
+        if plan.decode:
+            rows_needed = max(r.slot for r in plan.decode if r.slot is not None) + 1
+            rows: list[tuple[Request, int, int] | None] = [None] * self.runner.rows_for(rows_needed)
+            for r in plan.decode:
+                assert r.slot is not None
+                rows[r.slot] = (r, r.num_computed, 1)
+            out = self.runner.run(StepInput.build(rows, 1, self.cfg.max_pages_per_slot))
+            self.stats.decode_steps += 1
+            self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
+            for r in plan.decode:
+                assert r.slot is not None
+                self._commit(r, 1, out, r.slot, sampled=True)
+
+    def _commit(self, request: Request, computed: int, out: StepOutput, row: int, *, sampled: bool) -> None:
+        if not sampled:
+            self.scheduler.commit(request, computed, None)
+            return
+        token = int(out.tokens[row])
+        logprobs = []
+        if request.params.logprobs:
+            n = request.params.logprobs
+            top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :n], out.top_logprobs[row, :n])]
+            logprobs = [(float(out.logprobs[row]), top)]
+            request.logprobs.extend(logprobs)
+        request.token_times.append(time.perf_counter())
+        self.scheduler.commit(request, computed, token)
+        text = self._detok[request.request_id].push(token)
+        if request.finished:
+            text += self._detok[request.request_id].flush()
+        text = self._apply_stop_strings(request, text)
+        self._emit(request, [token], text, logprobs)
+
+    def _apply_stop_strings(self, request: Request, delta: str) -> str:
+        """Cuts the text at the first stop string and finishes the request there."""
+        stops = request.params.stop
+        if not stops or not delta:
+            request.text += delta
+            return delta
+        longest = max(len(s) for s in stops)
+        window_start = max(0, len(request.text) - longest + 1)
+        combined = request.text + delta
+        hits = [i for i in (combined.find(s, window_start) for s in stops) if i >= 0]
+        if not hits:
+            request.text = combined
+            return delta
+        cut = min(hits)
+        emitted = combined[len(request.text):cut] if cut > len(request.text) else ""
+        request.text = combined[:cut]
+        if not request.finished:
+            self.scheduler.finish(request, "stop")
+        else:
+            request.finish_reason = "stop"
+        return emitted
+
+    def _emit(self, request: Request, ids: list[int], text: str, logprobs: list) -> None:
+        box = self._outboxes.get(request.request_id)
+        if box is not None:
+            box.put(Update(request.request_id, ids, text, logprobs, request.finish_reason if request.finished else None))
+        if request.finished:
+            self._requests.pop(request.request_id, None)
+            self._detok.pop(request.request_id, None)

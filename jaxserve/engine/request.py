@@ -1,0 +1,64 @@
+"""A request and its counters. Host side: no jax here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jaxserve.config import SamplingParams
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Its computed tokens (K/V in the cache) chase its total tokens.
+
+    Prefill, chunked prefill and decode are the same thing seen from here: while
+    `num_computed < num_tokens - 1` the next step computes a chunk of the prompt; at
+    `num_computed == num_tokens - 1` it computes the last token and samples the next one.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # order of arrival; later arrivals are preempted first
+    stop_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    state: State = State.WAITING
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
+    preemptions: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    submitted_at: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V is not in the cache yet."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.params.max_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED

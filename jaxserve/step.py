@@ -1,0 +1,114 @@
+"""The jit boundary: one step function, compiled ahead of time for a fixed list of shape buckets.
+
+Buckets are (rows, width): (r, 1) for decode over the first r slots, for each r in
+`decode_buckets`, and (1, c) for each prefill chunk size c.
+All are compiled at start; a step of any other shape raises instead of compiling. The KV cache
+is donated, so XLA updates its pages in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.checkpoint import LoadedModel
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.batch import NUM_TOP, StepInput, StepOutput
+from jaxserve.engine.engine import Engine
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.sampler import sample
+from jaxserve.model.transformer import forward
+from jaxserve.model.weights import Weights
+
+log = logging.getLogger(__name__)
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compilations = 0
+
+
+def _count_compilation(event: str, duration: float, **_: Any) -> None:
+    global _compilations
+    if event == _BACKEND_COMPILE_EVENT:
+        _compilations += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+def compilation_count() -> int:
+    """XLA backend compilations in this process so far (every jit, not only the step's)."""
+    return _compilations
+
+
+def step_fn(weights: Weights, cache: KVCache, inp: dict[str, jax.Array], *, cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+    """One forward over a bucket plus sampling; returns one packed array [rows, 2 + 2 * NUM_TOP]."""
+    out = forward(weights, cfg, inp["tokens"], inp["positions"], inp["valid"], inp["page_table"], cache,
+                  logit_indices=inp["last"])
+    logits = out.logits[:, 0]
+    tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32), top_logprobs],
+                             axis=-1)
+    return packed, out.cache
+
+
+class StepRunner:
+    """Owns the device state (weights, KV pages) and the compiled steps."""
+
+    def __init__(self, model: LoadedModel, cfg: EngineConfig, *, cache_dtype: Any = None) -> None:
+        self.model_cfg = model.config
+        self.cfg = cfg
+        self.weights = model.weights
+        dtype = cache_dtype or jax.tree_util.tree_leaves(model.weights)[0].dtype
+        if cfg.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        self.cache = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype)
+        self.buckets = [(r, 1) for r in cfg.decode_buckets] + [(1, c) for c in cfg.chunk_buckets]
+        self._compiled: dict[tuple[int, int], Any] = {}
+        jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config), donate_argnums=(1,))
+        start = time.perf_counter()
+        for bucket in self.buckets:
+            example = StepInput.build([None] * bucket[0], bucket[1], cfg.max_pages_per_slot)
+            self._compiled[bucket] = jitted.lower(self.weights, self.cache, vars(example)).compile()
+        log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
+
+    def width_for(self, length: int) -> int:
+        """The smallest prefill bucket that holds a chunk of `length` tokens."""
+        return next(c for c in self.cfg.chunk_buckets if c >= length)
+
+    def rows_for(self, slots: int) -> int:
+        """The smallest decode bucket that covers slots [0, slots)."""
+        return next(r for r in self.cfg.decode_buckets if r >= slots)
+
+    def run(self, inp: StepInput) -> StepOutput:
+        compiled = self._compiled.get(inp.shape)
+        if compiled is None:
+            raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
+        packed, self.cache = compiled(self.weights, self.cache, vars(inp))
+        return StepOutput.unpack(np.asarray(packed))
+
+
+def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
+    """Compiles every bucket for `model` and returns an engine ready to take requests."""
+    return Engine(StepRunner(model, cfg), model.tokenizer, cfg, vocab_size=model.config.vocab_size,
+                  context_len=model.config.max_position_embeddings)
+
+
+def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int = 16, max_slots: int = 16,
+                      chunk_sizes: tuple[int, ...] = (16, 64, 256)) -> EngineConfig:
+    """An engine just big enough for a known set of prompts (CLI generate, benchmarks, tests)."""
+    longest = max(prompt_lens) + max_tokens
+    pages_per_slot = -(-longest // page_size)
+    slots = max(1, min(len(prompt_lens), max_slots))
+    needed = max(prompt_lens)
+    buckets = tuple(c for c in chunk_sizes if c < needed) + (next((c for c in chunk_sizes if c >= needed), chunk_sizes[-1]),)
+    return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=buckets)

@@ -1,0 +1,37 @@
+"""Named helpers shared by the tests."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.checkpoint import LoadedModel
+from jaxserve.config import SamplingParams
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.transformer import ForwardOutput, forward
+from jaxserve.step import build_engine, engine_config_for
+
+
+def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingParams, **engine_kw) -> list:
+    """Generates every prompt through a freshly built engine; returns the finished requests."""
+    engine = build_engine(model, engine_config_for([len(p) for p in prompts], params.max_tokens, **engine_kw))
+    return engine.generate(prompts, [params] * len(prompts))
+
+
+def greedy(model: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [r.output_ids for r in run_engine(model, prompts, SamplingParams(max_tokens=max_tokens))]
+
+
+def full_forward(model: LoadedModel, ids: list[int], *, return_hidden: bool = False) -> ForwardOutput:
+    """One row through the model with a fresh paged cache laid out in order."""
+    page_size = 16
+    pages = -(-len(ids) // page_size)
+    cache = KVCache.zeros(model.config, pages, page_size, jnp.float32)
+    positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
+    return forward(model.weights, model.config, jnp.asarray([ids], jnp.int32), positions,
+                   jnp.ones((1, len(ids)), bool), jnp.arange(pages, dtype=jnp.int32)[None], cache,
+                   return_hidden=return_hidden)
+
+
+def logits_of(model: LoadedModel, ids: list[int]) -> np.ndarray:
+    return np.asarray(full_forward(model, ids).logits[0])
