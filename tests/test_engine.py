@@ -1,0 +1,125 @@
+"""The engine on the embedded model: batching, preemption, prefix sharing, chunking, compilation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.step import build_engine, compilation_count
+
+pytestmark = pytest.mark.slow
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def alone_engine(smollm):
+    """One slot and plenty of pages: every request runs alone."""
+    return build_engine(smollm, EngineConfig(max_slots=1, page_size=16, num_pages=8, max_pages_per_slot=8,
+                                             chunk_buckets=(16, 64)))
+
+
+def test_64_requests_through_a_small_pool_match_running_alone(smollm, alone_engine):
+    prompts = random_prompts(64, 3, 60)
+    rng = random.Random(1)
+    params = [SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True) for _ in prompts]
+    crowded = build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
+                                                chunk_buckets=(16, 64)))
+    together = crowded.generate(prompts, params)
+    assert crowded.scheduler.num_preemptions > 0
+    assert all(r.finish_reason == "length" for r in together)
+    alone = alone_engine.generate(prompts, params)
+    assert alone_engine.scheduler.num_preemptions == 0
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    assert all(ref == 0 for ref in crowded.scheduler.pages.refs)
+
+
+def test_common_prefix_is_stored_once(smollm):
+    engine = build_engine(smollm, EngineConfig(max_slots=2, page_size=16, num_pages=40, max_pages_per_slot=16,
+                                               chunk_buckets=(64,)))
+    prefix = random_prompts(1, 200, 200, seed=5)[0]
+    first = engine.submit(prefix + [300, 301], SamplingParams(max_tokens=40, ignore_eos=True))
+    while first.pending > 1 or not first.output_ids:
+        engine.step()
+    second = engine.submit(prefix + [400], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert second.cached_tokens == 192
+    assert second.pages[:12] == first.pages[:12]
+    in_use = sum(1 for ref in engine.scheduler.pages.refs if ref)
+    assert in_use == len(first.pages) + len(second.pages) - 12
+    engine.run_until_done()
+    alone = build_engine(smollm, EngineConfig(max_slots=1, page_size=16, num_pages=16, max_pages_per_slot=16,
+                                              chunk_buckets=(64,))).generate([prefix + [400]], [second.params])[0]
+    assert second.output_ids == alone.output_ids
+
+
+def test_long_prompt_never_stalls_decoding_streams(smollm):
+    engine = build_engine(smollm, EngineConfig(max_slots=9, page_size=16, num_pages=200, max_pages_per_slot=130,
+                                               chunk_buckets=(16, 256)))
+    streams = [engine.submit(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in random_prompts(8, 4, 12)]
+    while any(not s.output_ids for s in streams):
+        engine.step()
+    long = engine.submit(random_prompts(1, 2000, 2000, seed=9)[0], SamplingParams(max_tokens=2))
+    steps = 0
+    while not long.output_ids:
+        before = [len(s.output_ids) for s in streams]
+        engine.step()
+        steps += 1
+        assert [len(s.output_ids) for s in streams] == [b + 1 for b in before], "a stream skipped a step"
+    assert steps == 8  # 2000 tokens in chunks of 256
+
+
+def test_no_compilation_after_warm_up(smollm):
+    engine = build_engine(smollm, EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=16,
+                                               chunk_buckets=(16, 64)))
+    engine.generate(random_prompts(2, 3, 5), [SamplingParams(max_tokens=2)] * 2)
+    before = compilation_count()
+    rng = random.Random(3)
+    prompts = random_prompts(100, 1, 150, seed=3)
+    params = [SamplingParams(max_tokens=rng.randint(1, 4), temperature=rng.choice([0.0, 0.8]), top_k=rng.choice([0, 5]),
+                             top_p=rng.choice([1.0, 0.9]), seed=i) for i in range(100)]
+    engine.generate(prompts, params)
+    assert compilation_count() == before
+
+
+def test_cancel_frees_slot_and_pages_within_a_step(smollm, alone_engine):
+    request = alone_engine.submit([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        alone_engine.step()
+    assert request.pages and alone_engine.scheduler.slots.num_free == 0
+    alone_engine.cancel(request.request_id)
+    alone_engine.step()
+    assert request.finish_reason == "abort"
+    assert alone_engine.scheduler.slots.num_free == 1
+    assert all(ref == 0 for ref in alone_engine.scheduler.pages.refs)
+
+
+def test_stop_strings_logprobs_and_stop_tokens(smollm, alone_engine):
+    tok = smollm.tokenizer
+    prompt = tok.encode("The capital of France is")
+    full = alone_engine.generate([prompt], [SamplingParams(max_tokens=12, logprobs=5)])[0]
+    assert full.text.startswith(" Paris.")
+    assert len(full.logprobs) == len(full.output_ids)
+    for token, (chosen, top) in zip(full.output_ids, full.logprobs):
+        assert len(top) == 5 and top[0][0] == token and top[0][1] == pytest.approx(chosen)
+        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+    cut = alone_engine.generate([prompt], [SamplingParams(max_tokens=12, stop=(".",))])[0]
+    assert cut.text == " Paris" and cut.finish_reason == "stop"
+    paris = full.output_ids[0]
+    by_id = alone_engine.generate([prompt], [SamplingParams(max_tokens=12, stop_token_ids=(paris,))])[0]
+    assert by_id.output_ids == [paris] and by_id.finish_reason == "stop"
+
+
+def test_seeded_sampling_does_not_depend_on_batch(smollm, alone_engine):
+    prompts = random_prompts(4, 5, 20, seed=11)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    batched = build_engine(smollm, EngineConfig(max_slots=4, page_size=16, num_pages=16, max_pages_per_slot=4,
+                                                chunk_buckets=(16, 64))).generate(prompts, [params] * 4)
+    alone = alone_engine.generate(prompts, [params] * 4)
+    assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
+    assert len({tuple(r.output_ids) for r in batched}) > 1
