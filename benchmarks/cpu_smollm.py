@@ -1,7 +1,10 @@
-"""CPU time to first token and decode speed of the embedded SmolLM2, against transformers.
+"""CPU figures of the embedded SmolLM2 (float32), each against a baseline measured in the same run.
 
-Both run float32 on the same cores in one process, greedy, the same prompt and lengths:
-    .venv/bin/python benchmarks/cpu_smollm.py [--prompt-len 128] [--new 64] [--repeats 3]
+1. Batch-1 time to first token and decode tokens/s through the engine, against transformers'
+   `generate` on the same GGUF, prompt and lengths (greedy).
+2. Engine throughput with 32 concurrent requests against 1 request, same lengths.
+
+    .venv/bin/python benchmarks/cpu_smollm.py [--prompt-len 128] [--new 64]
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import record
+from benchmarks.common import record  # noqa: E402
 
 
 def main() -> None:
@@ -22,34 +25,28 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results/cpu_smollm.jsonl")
     args = ap.parse_args()
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from jaxserve.bench import bench_config, run_bench
     from jaxserve.checkpoint import embedded_model_path, load_model
-    from jaxserve.config import SamplingParams
-    from jaxserve.generate import Generator
 
     path = embedded_model_path()
     model = load_model(path, dtype="float32")
-    text = "The history of the city begins with a small settlement on the river. " * 40
-    prompt = model.tokenizer.encode(text)[: args.prompt_len]
-    params = SamplingParams(max_tokens=args.new, ignore_eos=True)
-    gen = Generator(model)
-    gen.generate([prompt], [params])  # compile
-    ttft, tps = [], []
-    for _ in range(args.repeats):
-        gen.generate([prompt], [params])
-        assert gen.last_stats is not None
-        ttft.append(gen.last_stats.prefill_s)
-        tps.append(gen.last_stats.decode_tokens_per_s)
+    rows = []
 
+    # 1. batch 1 against transformers
+    single = [run_bench(model, 1, args.prompt_len, args.new, seed=i) for i in range(args.repeats)]
+    ttft = statistics.median(r["ttft_p50_s"] for r in single)
+    tps = statistics.median(1.0 / r["itl_p50_s"] for r in single)
     torch.set_num_threads(os.cpu_count() or 1)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     hf_ttft, hf_tps = [], []
     with torch.no_grad():
         hf.generate(ids, max_new_tokens=2, do_sample=False)
@@ -62,18 +59,28 @@ def main() -> None:
             total = time.perf_counter() - t0
             hf_ttft.append(first)
             hf_tps.append((args.new - 1) / max(total - first, 1e-9))
-
-    cfg = {"model": "SmolLM2-135M-Instruct Q4_1->f32", "prompt_len": len(prompt), "new_tokens": args.new,
+    cfg = {"model": "SmolLM2-135M-Instruct Q4_1->f32", "prompt_len": args.prompt_len, "new_tokens": args.new,
            "batch": 1, "cpu_threads": os.cpu_count()}
-    rows = [
-        record(args.out, "cpu_smollm", cfg, "ttft_s", statistics.median(ttft), "s", "transformers",
-               statistics.median(hf_ttft), higher_is_better=False),
-        record(args.out, "cpu_smollm", cfg, "decode_tokens_per_s", statistics.median(tps), "tok/s", "transformers",
-               statistics.median(hf_tps)),
-    ]
-    print(f"{'metric':<22}{'jaxserve':>12}{'transformers':>14}{'ratio':>8}")
+    rows.append(record(args.out, "cpu_smollm", cfg, "ttft_s", ttft, "s", "transformers generate",
+                       statistics.median(hf_ttft), higher_is_better=False))
+    rows.append(record(args.out, "cpu_smollm", cfg, "decode_tokens_per_s", tps, "tok/s", "transformers generate",
+                       statistics.median(hf_tps)))
+
+    # 2. continuous batching: N concurrent requests against 1, a prefill-heavy and a decode-heavy shape
+    for input_len, output_len in ((args.prompt_len, args.new), (32, 128)):
+        one = run_bench(model, 1, input_len, output_len, bench_config(1, input_len, output_len))
+        many = run_bench(model, args.concurrent, input_len, output_len,
+                         bench_config(args.concurrent, input_len, output_len))
+        cfg = {"model": "SmolLM2-135M-Instruct Q4_1->f32", "input_len": input_len, "output_len": output_len,
+               "requests": args.concurrent, "cpu_threads": os.cpu_count(), "ttft_p50_s": many["ttft_p50_s"],
+               "itl_p50_s": many["itl_p50_s"]}
+        rows.append(record(args.out, f"cpu_engine_batching_{input_len}in_{output_len}out", cfg, "output_tokens_per_s",
+                           many["output_tokens_per_s"], "tok/s", "1 request", one["output_tokens_per_s"]))
+
+    print(f"{'benchmark':<34}{'metric':<22}{'jaxserve':>12}{'baseline':>12}{'ratio':>8}  baseline")
     for r in rows:
-        print(f"{r['metric']:<22}{r['value']:>12.3f}{r['baseline_value']:>14.3f}{r['ratio']:>8.2f}")
+        print(f"{r['benchmark']:<34}{r['metric']:<22}{r['value']:>12.3f}{r['baseline_value']:>12.3f}"
+              f"{r['ratio']:>8.2f}  {r['baseline']}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from jaxserve.bench import bench_config, run_bench
+
+    for name in ("num_requests", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    model = _load(args)
+    cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots)
+    result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>20}: {value:.4g}" if isinstance(value, float) else f"{key:>20}: {value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxserve", description="LLM inference on JAX")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -143,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(info)
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="offline throughput and latency through the engine")
+    _add_model_args(bench)
+    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--input-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--max-slots", type=int, default=None, help="decode slots (default: min(requests, 64))")
+    bench.add_argument("--json", action="store_true")
+    bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="serve the model")
     _add_model_args(serve)

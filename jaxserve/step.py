@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,12 +89,13 @@ class StepRunner:
         """The smallest decode bucket that covers slots [0, slots)."""
         return next(r for r in self.cfg.decode_buckets if r >= slots)
 
-    def run(self, inp: StepInput) -> StepOutput:
+    def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]:
+        """Enqueues a step on the device and returns at once; calling the result waits and copies it back."""
         compiled = self._compiled.get(inp.shape)
         if compiled is None:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
         packed, self.cache = compiled(self.weights, self.cache, vars(inp))
-        return StepOutput.unpack(np.asarray(packed))
+        return lambda: StepOutput.unpack(np.asarray(packed))
 
 
 def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:

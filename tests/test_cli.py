@@ -48,3 +48,17 @@ def test_info_json_reports_config_and_bytes():
     assert info["config"]["num_layers"] == 30 and info["config"]["num_kv_heads"] == 3
     assert info["parameters"] == 134_515_008
     assert info["parameter_bytes"] == 4 * info["parameters"]
+
+
+def test_bench_json_reports_throughput_and_latency():
+    proc = jaxserve("bench", "--num-requests", "3", "--input-len", "20", "--output-len", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["requests"] == 3 and result["output_tokens"] == 15
+    assert result["output_tokens_per_s"] > 0 and result["wall_s"] > 0
+    assert 0 < result["ttft_p50_s"] < result["wall_s"] and result["itl_p50_s"] > 0
+
+
+def test_bench_rejects_bad_sizes():
+    proc = jaxserve("bench", "--num-requests", "0")
+    assert proc.returncode == 2 and "--num-requests must be at least 1, got 0" in proc.stderr

@@ -123,3 +123,22 @@ def test_seeded_sampling_does_not_depend_on_batch(smollm, alone_engine):
     alone = alone_engine.generate(prompts, [params] * 4)
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
     assert len({tuple(r.output_ids) for r in batched}) > 1
+
+
+def test_engine_thread_streams_updates_through_outboxes(smollm, alone_engine):
+    prompt = smollm.tokenizer.encode("The capital of France is")
+    alone_engine.start()
+    try:
+        requests = [alone_engine.submit(prompt, SamplingParams(max_tokens=10)) for _ in range(2)]
+        for request in requests:
+            box = alone_engine.outbox(request.request_id)
+            ids, text, reason = [], "", None
+            while reason is None:
+                update = box.get(timeout=120)
+                ids += update.token_ids
+                text += update.text
+                reason = update.finish_reason
+            assert ids == request.output_ids and text == request.text and reason == request.finish_reason
+            assert text.startswith(" Paris")
+    finally:
+        alone_engine.stop()

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,7 +29,7 @@ from jaxserve.errors import InputError
 
 
 class Runner(Protocol):
-    def run(self, inp: StepInput) -> StepOutput: ...
+    def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]: ...
     def width_for(self, length: int) -> int: ...
     def rows_for(self, slots: int) -> int: ...
 
@@ -51,7 +51,6 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     max_decode_rows: int = 0
-    steps_between_decodes: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -152,29 +151,38 @@ class Engine:
             self._emit(request, [], "", [])
 
     def step(self) -> None:
-        """One iteration: plan, run the prefill chunk and the decode rows, postprocess."""
+        """One iteration: plan, dispatch the prefill chunk and the decode rows, then postprocess both.
+
+        The two dispatches touch different requests, so both are enqueued before either result is
+        read: the host builds the decode batch while the device runs the chunk, and one wait covers both.
+        """
         self._drain_inbox()
         plan = self.scheduler.schedule()
         if plan.empty:
             return
         self.stats.steps += 1
+        prefill_result = decode_result = None
         if plan.prefill is not None:
             chunk = plan.prefill
             width = self.runner.width_for(chunk.length)
-            out = self.runner.run(StepInput.build([(chunk.request, chunk.start, chunk.length)], width,
-                                                  self.cfg.max_pages_per_slot))
+            prefill_result = self.runner.dispatch(
+                StepInput.build([(chunk.request, chunk.start, chunk.length)], width, self.cfg.max_pages_per_slot))
             self.stats.prefill_steps += 1
-            done = chunk.start + chunk.length == chunk.request.num_tokens
-            self._commit(chunk.request, chunk.length, out, 0, sampled=done)
         if plan.decode:
-            rows_needed = max(r.slot for r in plan.decode if r.slot is not None) + 1
-            rows: list[tuple[Request, int, int] | None] = [None] * self.runner.rows_for(rows_needed)
+            rows: list[tuple[Request, int, int] | None] = [None] * self.runner.rows_for(
+                max(r.slot for r in plan.decode if r.slot is not None) + 1)
             for r in plan.decode:
                 assert r.slot is not None
                 rows[r.slot] = (r, r.num_computed, 1)
-            out = self.runner.run(StepInput.build(rows, 1, self.cfg.max_pages_per_slot))
+            decode_result = self.runner.dispatch(StepInput.build(rows, 1, self.cfg.max_pages_per_slot))
             self.stats.decode_steps += 1
             self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
+        if prefill_result is not None and plan.prefill is not None:
+            chunk = plan.prefill
+            done = chunk.start + chunk.length == chunk.request.num_tokens
+            self._commit(chunk.request, chunk.length, prefill_result(), 0, sampled=done)
+        if decode_result is not None:
+            out = decode_result()
             for r in plan.decode:
                 assert r.slot is not None
                 self._commit(r, 1, out, r.slot, sampled=True)
