@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,18 +46,30 @@ def compilation_count() -> int:
     return _compilations
 
 
-def step_fn(weights: Weights, cache: KVCache, inp: dict[str, jax.Array], *, cfg: ModelConfig) -> tuple[jax.Array, KVCache]:
+class DeviceState(NamedTuple):
+    """What the device keeps between steps; donated to every step."""
+
+    cache: KVCache
+    last_tokens: jax.Array  # [max_slots] int32: each slot's latest sample, the next decode row's input
+
+
+def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
+            cfg: ModelConfig) -> tuple[jax.Array, DeviceState]:
     """One forward over a bucket plus sampling; returns one packed array [rows, 2 + 2 * NUM_TOP]."""
-    out = forward(weights, cfg, inp["tokens"], inp["positions"], inp["valid"], inp["page_table"], cache,
+    fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
+    first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
+    tokens_in = inp["tokens"].at[:, 0].set(first)
+    out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"], state.cache,
                   logit_indices=inp["last"])
     logits = out.logits[:, 0]
     tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
+    last_tokens = state.last_tokens.at[inp["slots"]].set(tokens, mode="drop")
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
     packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32), top_logprobs],
                              axis=-1)
-    return packed, out.cache
+    return packed, DeviceState(out.cache, last_tokens)
 
 
 class StepRunner:
@@ -71,14 +83,15 @@ class StepRunner:
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        self.cache = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype)
+        self.state = DeviceState(KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype),
+                                 jnp.zeros(cfg.max_slots, jnp.int32))
         self.buckets = [(r, 1) for r in cfg.decode_buckets] + [(1, c) for c in cfg.chunk_buckets]
         self._compiled: dict[tuple[int, int], Any] = {}
         jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config), donate_argnums=(1,))
         start = time.perf_counter()
         for bucket in self.buckets:
-            example = StepInput.build([None] * bucket[0], bucket[1], cfg.max_pages_per_slot)
-            self._compiled[bucket] = jitted.lower(self.weights, self.cache, vars(example)).compile()
+            example = StepInput.build([None] * bucket[0], bucket[1], cfg.max_pages_per_slot, cfg.max_slots)
+            self._compiled[bucket] = jitted.lower(self.weights, self.state, vars(example)).compile()
         log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
 
     def width_for(self, length: int) -> int:
@@ -94,7 +107,7 @@ class StepRunner:
         compiled = self._compiled.get(inp.shape)
         if compiled is None:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
-        packed, self.cache = compiled(self.weights, self.cache, vars(inp))
+        packed, self.state = compiled(self.weights, self.state, vars(inp))
         return lambda: StepOutput.unpack(np.asarray(packed))
 
 

@@ -25,18 +25,27 @@ def alone_engine(smollm):
 
 
 def test_64_requests_through_a_small_pool_match_running_alone(smollm, alone_engine):
+    """Preemption, recomputation and one-step-ahead planning leave every output as if run alone,
+    including requests that stop on a token while their next step is already dispatched."""
     prompts = random_prompts(64, 3, 60)
     rng = random.Random(1)
     params = [SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True) for _ in prompts]
+    alone = [r.output_ids for r in alone_engine.generate(prompts, params)]
+    assert alone_engine.scheduler.num_preemptions == 0
+    expected = list(alone)
+    for i in range(0, 64, 3):  # every third request stops on a token it reaches midway
+        stop = alone[i][len(alone[i]) // 2]
+        params[i] = SamplingParams(max_tokens=params[i].max_tokens, ignore_eos=True, stop_token_ids=(stop,))
+        expected[i] = alone[i][:alone[i].index(stop) + 1]
     crowded = build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
                                                 chunk_buckets=(16, 64)))
     together = crowded.generate(prompts, params)
     assert crowded.scheduler.num_preemptions > 0
-    assert all(r.finish_reason == "length" for r in together)
-    alone = alone_engine.generate(prompts, params)
-    assert alone_engine.scheduler.num_preemptions == 0
-    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    assert [r.output_ids for r in together] == expected
+    assert [r.finish_reason for r in together] == [
+        "stop" if p.stop_token_ids else "length" for p in params]
     assert all(ref == 0 for ref in crowded.scheduler.pages.refs)
+    crowded.scheduler.pages.check()
 
 
 def test_common_prefix_is_stored_once(smollm):
@@ -71,7 +80,7 @@ def test_long_prompt_never_stalls_decoding_streams(smollm):
         engine.step()
         steps += 1
         assert [len(s.output_ids) for s in streams] == [b + 1 for b in before], "a stream skipped a step"
-    assert steps == 8  # 2000 tokens in chunks of 256
+    assert steps == 8 + 1  # 2000 tokens in chunks of 256, and the last chunk's token is read a step later
 
 
 def test_no_compilation_after_warm_up(smollm):

@@ -10,33 +10,52 @@ from hypothesis import strategies as st
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.pages import PageAllocator
 from jaxserve.engine.request import Request, State
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
 
 
 def fake_token(ids: list[int]) -> int:
     return (sum(ids) * 31 + len(ids)) % 97
 
 
-def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000) -> int:
-    """Runs the scheduler against a pretend device; returns the steps taken. Checks invariants every step."""
+def chunks(plan: StepPlan) -> list[Chunk]:
+    return ([plan.prefill] if plan.prefill else []) + plan.decode
+
+
+def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000,
+             stop_rng: random.Random | None = None) -> int:
+    """Runs the scheduler against a pretend device, one step ahead as the engine does: step N+1 is
+    planned before step N is committed. Returns the steps taken; checks invariants every step."""
     pending = sorted(arrivals, key=lambda a: a[0])
     step = 0
     size = scheduler.cfg.page_size
-    while pending or scheduler.has_work:
+    in_flight: list[tuple[Chunk, int | None]] = []
+    truth: dict[str, list[int]] = {}  # what the device has: every token, sampled or read
+    while pending or scheduler.has_work or in_flight:
         while pending and pending[0][0] <= step:
             scheduler.add(pending.pop(0)[1])
         plan = scheduler.schedule()
-        work = ([(plan.prefill.request, plan.prefill.start, plan.prefill.length)] if plan.prefill else []) + [
-            (r, r.num_computed, 1) for r in plan.decode]
-        for request, start, length in work:
+        launched = []
+        for chunk in chunks(plan):
+            request = chunk.request
             assert request.state is State.RUNNING and request.slot is not None
-            assert start == request.num_computed
-            for pos in range(start, start + length):
+            assert chunk.start + chunk.length == request.num_computed
+            for pos in range(chunk.start, chunk.start + chunk.length):
                 page = request.pages[pos // size]
                 assert scheduler.pages.refs[page] == 1, f"write to shared page {page}"
-        for request, start, length in work:
-            done = start + length == request.num_tokens
-            scheduler.commit(request, length, fake_token(request.all_ids) if done else None)
+            # the sampled token depends only on the tokens before it, as a model's would
+            seen = truth.setdefault(request.request_id, list(request.all_ids))
+            assert seen[:len(request.all_ids)] == request.all_ids
+            token = None
+            if chunk.sample:
+                end = chunk.start + chunk.length
+                token = fake_token(seen[:end])
+                if stop_rng is not None and stop_rng.random() < 0.05:
+                    token = 96  # a stop token
+                truth[request.request_id] = seen[:end] + [token]
+            launched.append((chunk, token))
+        for chunk, token in in_flight:
+            scheduler.commit(chunk, token)
+        in_flight = launched
         scheduler.pages.check()
         step += 1
         assert step < max_steps, "no progress"
@@ -61,11 +80,15 @@ def test_every_request_finishes_and_nothing_leaks(specs, max_slots, page_size, e
     for i, (at, n, m, prefix) in enumerate(specs):
         prompt = (prefixes[prefix] + [rng.randrange(97) for _ in range(n)])[-n:] if prefix else [
             rng.randrange(97) for _ in range(n)]
-        arrivals.append((at, Request(f"r{i}", prompt, SamplingParams(max_tokens=m), arrival=i)))
-    simulate(scheduler, arrivals)
+        arrivals.append((at, Request(f"r{i}", prompt, SamplingParams(max_tokens=m), arrival=i,
+                                     stop_ids=frozenset({96}))))
+    simulate(scheduler, arrivals, stop_rng=rng)
     for _, r in arrivals:
-        assert r.finished and r.finish_reason == "length" and len(r.output_ids) == r.params.max_tokens
-        assert r.pages == [] and r.slot is None
+        assert r.finished and r.unread == 0 and r.pages == [] and r.slot is None
+        if r.finish_reason == "stop":
+            assert r.output_ids[-1] == 96 and 96 not in r.output_ids[:-1]
+        else:
+            assert r.finish_reason == "length" and len(r.output_ids) == r.params.max_tokens and 96 not in r.output_ids
     assert all(ref == 0 for ref in scheduler.pages.refs)
     assert scheduler.slots.num_free == max_slots
     scheduler.pages.check()
@@ -96,11 +119,9 @@ def test_shared_prefix_pages_are_referenced_not_copied():
     prefix = list(range(200))
     a = Request("a", prefix + [1, 2, 3], SamplingParams(max_tokens=50), arrival=0)
     scheduler.add(a)
-    while a.pending > 1 or not a.output_ids:  # a's prompt is in the cache
-        plan = scheduler.schedule()
-        for r, s, n in ([(plan.prefill.request, plan.prefill.start, plan.prefill.length)] if plan.prefill else []) + [
-                (r, r.num_computed, 1) for r in plan.decode]:
-            scheduler.commit(r, n, 7 if s + n == r.num_tokens else None)
+    while not a.output_ids:  # a's prompt is in the cache
+        for chunk in chunks(scheduler.schedule()):
+            scheduler.commit(chunk, 7 if chunk.sample else None)
     in_use_before = sum(1 for ref in scheduler.pages.refs if ref)
     b = Request("b", prefix + [9, 9], SamplingParams(max_tokens=5), arrival=1)
     scheduler.add(b)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxserve.engine.request import Request
+from jaxserve.engine.scheduler import Chunk
 
 NUM_TOP = 20  # top log-probabilities computed for every row; requests take the first `logprobs`
 
@@ -16,6 +16,8 @@ class StepInput:
     """Fixed-shape arrays for one step over `rows` rows of `width` tokens."""
 
     tokens: np.ndarray  # [rows, width] int32
+    feed: np.ndarray  # [rows] bool: token 0 is the slot's last sample, still on the device
+    slots: np.ndarray  # [rows] int32: the slot of each row (max_slots for padding)
     positions: np.ndarray  # [rows, width] int32
     valid: np.ndarray  # [rows, width] bool
     page_table: np.ndarray  # [rows, pages_per_slot] int32
@@ -31,11 +33,16 @@ class StepInput:
         return self.tokens.shape  # type: ignore[return-value]
 
     @staticmethod
-    def build(rows: list[tuple[Request, int, int] | None], width: int, pages_per_slot: int) -> StepInput:
-        """Row i computes tokens [start, start + length) of its request; None rows are padding."""
+    def build(rows: list[Chunk | None], width: int, pages_per_slot: int, max_slots: int) -> StepInput:
+        """Row i computes positions [start, start + length) of its request; None rows are padding.
+
+        A position past the tokens the host knows holds the token the previous step sampled: the
+        device takes it from its own copy of each slot's last sample (`feed`).
+        """
         n = len(rows)
         inp = StepInput(
-            tokens=np.zeros((n, width), np.int32), positions=np.zeros((n, width), np.int32),
+            tokens=np.zeros((n, width), np.int32), feed=np.zeros(n, bool), slots=np.full(n, max_slots, np.int32),
+            positions=np.zeros((n, width), np.int32),
             valid=np.zeros((n, width), bool), page_table=np.zeros((n, pages_per_slot), np.int32),
             last=np.zeros(n, np.int32), seeds=np.zeros(n, np.uint32), steps=np.zeros(n, np.int32),
             temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
@@ -43,15 +50,21 @@ class StepInput:
         for i, row in enumerate(rows):
             if row is None:
                 continue
-            request, start, length = row
+            request, start, length = row.request, row.start, row.length
             ids = request.all_ids
-            inp.tokens[i, :length] = ids[start:start + length]
+            known = ids[start:start + length]
+            inp.tokens[i, :len(known)] = known
+            if len(known) < length:
+                assert len(known) == length - 1 == 0, "only a decode row's one token can be still on the device"
+                inp.feed[i] = True
+            assert request.slot is not None
+            inp.slots[i] = request.slot
             inp.positions[i, :length] = np.arange(start, start + length)
             inp.valid[i, :length] = True
             inp.page_table[i, :len(request.pages)] = request.pages
             inp.last[i] = length - 1
             p = request.params
-            inp.seeds[i], inp.steps[i] = p.seed, len(request.output_ids)
+            inp.seeds[i], inp.steps[i] = p.seed, max(0, len(request.output_ids) + request.unread - 1)
             inp.temperature[i], inp.top_k[i], inp.top_p[i] = p.temperature, p.top_k, p.top_p
         return inp
 

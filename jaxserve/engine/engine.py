@@ -24,8 +24,10 @@ from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.batch import StepInput, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
 from jaxserve.errors import InputError
+
+Dispatched = list[tuple[list[Chunk | None], Callable[[], StepOutput]]]  # rows of a dispatch, its lazy result
 
 
 class Runner(Protocol):
@@ -69,6 +71,7 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
+        self._in_flight: Dispatched | None = None
         self._stopping = threading.Event()
 
     # -- the public surface ------------------------------------------------------------------
@@ -103,7 +106,7 @@ class Engine:
     def run_until_done(self) -> None:
         """Steps on the caller's thread until every submitted request has finished."""
         self._drain_inbox()
-        while self.scheduler.has_work:
+        while self.busy:
             self.step()
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Request]:
@@ -128,10 +131,10 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            if not self.scheduler.has_work:
+            if not self.busy:
                 self._handle(*self._inbox.get())
             self._drain_inbox()
-            if self.scheduler.has_work:
+            if self.busy:
                 self.step()
 
     def _drain_inbox(self) -> None:
@@ -151,45 +154,56 @@ class Engine:
             self._emit(request, [], "", [])
 
     def step(self) -> None:
-        """One iteration: plan, dispatch the prefill chunk and the decode rows, then postprocess both.
+        """One iteration: plan and dispatch step N+1, then read and postprocess step N.
 
-        The two dispatches touch different requests, so both are enqueued before either result is
-        read: the host builds the decode batch while the device runs the chunk, and one wait covers both.
+        Step N+1 is planned as if step N had gone as far as it could (see Scheduler); its decode
+        rows take their input tokens from step N's samples on the device. A request that step N
+        finishes (a stop token, a stop string) wastes its row in step N+1, which writes only into
+        its own pages and whose result is dropped.
         """
         self._drain_inbox()
         plan = self.scheduler.schedule()
-        if plan.empty:
-            return
+        launched = None if plan.empty else self._launch(plan)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            self._complete(previous)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
+    def _launch(self, plan: StepPlan) -> Dispatched:
+        """Dispatches the plan's prefill chunk and its decode rows; no result is read here."""
         self.stats.steps += 1
-        prefill_result = decode_result = None
+        dispatched = []
         if plan.prefill is not None:
-            chunk = plan.prefill
-            width = self.runner.width_for(chunk.length)
-            prefill_result = self.runner.dispatch(
-                StepInput.build([(chunk.request, chunk.start, chunk.length)], width, self.cfg.max_pages_per_slot))
+            dispatched.append(self._dispatch([plan.prefill], self.runner.width_for(plan.prefill.length)))
             self.stats.prefill_steps += 1
         if plan.decode:
-            rows: list[tuple[Request, int, int] | None] = [None] * self.runner.rows_for(
-                max(r.slot for r in plan.decode if r.slot is not None) + 1)
-            for r in plan.decode:
-                assert r.slot is not None
-                rows[r.slot] = (r, r.num_computed, 1)
-            decode_result = self.runner.dispatch(StepInput.build(rows, 1, self.cfg.max_pages_per_slot))
+            rows: list[Chunk | None] = [None] * self.runner.rows_for(max(c.request.slot or 0 for c in plan.decode) + 1)
+            for chunk in plan.decode:
+                assert chunk.request.slot is not None
+                rows[chunk.request.slot] = chunk
+            dispatched.append(self._dispatch(rows, 1))
             self.stats.decode_steps += 1
             self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
-        if prefill_result is not None and plan.prefill is not None:
-            chunk = plan.prefill
-            done = chunk.start + chunk.length == chunk.request.num_tokens
-            self._commit(chunk.request, chunk.length, prefill_result(), 0, sampled=done)
-        if decode_result is not None:
-            out = decode_result()
-            for r in plan.decode:
-                assert r.slot is not None
-                self._commit(r, 1, out, r.slot, sampled=True)
+        return dispatched
 
-    def _commit(self, request: Request, computed: int, out: StepOutput, row: int, *, sampled: bool) -> None:
-        if not sampled:
-            self.scheduler.commit(request, computed, None)
+    def _dispatch(self, rows: list[Chunk | None], width: int) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
+        return rows, self.runner.dispatch(StepInput.build(rows, width, self.cfg.max_pages_per_slot, self.cfg.max_slots))
+
+    def _complete(self, dispatched: Dispatched) -> None:
+        """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""
+        outputs = [(rows, result()) for rows, result in dispatched]
+        for rows, out in outputs:
+            for i, chunk in enumerate(rows):
+                if chunk is not None:
+                    self._commit(chunk, out, i)
+
+    def _commit(self, chunk: Chunk, out: StepOutput, row: int) -> None:
+        request = chunk.request
+        if not chunk.sample or request.finished:
+            self.scheduler.commit(chunk, None)
             return
         token = int(out.tokens[row])
         logprobs = []
@@ -199,7 +213,7 @@ class Engine:
             logprobs = [(float(out.logprobs[row]), top)]
             request.logprobs.extend(logprobs)
         request.token_times.append(time.perf_counter())
-        self.scheduler.commit(request, computed, token)
+        self.scheduler.commit(chunk, token)
         text = self._detok[request.request_id].push(token)
         if request.finished:
             text += self._detok[request.request_id].flush()

@@ -22,6 +22,11 @@ class Request:
     Prefill, chunked prefill and decode are the same thing seen from here: while
     `num_computed < num_tokens - 1` the next step computes a chunk of the prompt; at
     `num_computed == num_tokens - 1` it computes the last token and samples the next one.
+
+    The engine plans step N+1 before it reads step N, so the host runs one step ahead of what
+    it knows: `num_computed` counts positions whose K/V a dispatched step writes, `unread`
+    the tokens sampled on the device but not read back yet (they are fed to the next step on
+    the device), and `num_committed` the positions of steps already read.
     """
 
     request_id: str
@@ -35,6 +40,8 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_committed: int = 0
+    unread: int = 0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at the last admission
     preemptions: int = 0
     finish_reason: str | None = None
@@ -44,11 +51,12 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
+        """The tokens the host knows: the prompt and the outputs read back so far."""
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.unread
 
     @property
     def pending(self) -> int:

@@ -4,6 +4,10 @@ Every step runs the decode rows (requests with exactly one token to compute) and
 prefill chunk (the oldest request with more than one), so a long prompt delays running streams
 by one chunk at most. Pages are taken as tokens need them; when none is left, the most recent
 arrival is preempted (its pages freed, recomputed later, its prefix likely still cached).
+
+`schedule` plans a step as if it had already run (positions computed, tokens sampled but
+unread); `commit` later records what the step produced. Between the two the engine plans and
+dispatches the next step, so the device never waits for the host to read a step's tokens.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ class Chunk:
     request: Request
     start: int  # first position computed
     length: int  # tokens computed this step
+    sample: bool = False  # the chunk ends at the request's last token: the step samples the next one
 
 
 @dataclass
 class StepPlan:
     prefill: Chunk | None = None
-    decode: list[Request] = field(default_factory=list)
+    decode: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -75,11 +80,13 @@ class Scheduler:
             self._release(request)
             self.running.remove(request)
         request.state = State.FINISHED
+        request.unread = 0
         request.finish_reason = request.finish_reason or "abort"
 
     def _admit(self) -> None:
         while self.waiting and self.slots.num_free:
             request = self.waiting[0]
+            assert not request.unread, "a preempted request's last token is read before it is admitted again"
             reusable = (request.num_tokens - 1) // self.cfg.page_size  # the last token's page stays private
             hashes = page_hashes(request.all_ids, self.cfg.page_size, reusable)
             needed_now = -(-min(request.pending, self.cfg.max_chunk) // self.cfg.page_size)
@@ -91,7 +98,7 @@ class Scheduler:
                 if page is None:
                     break
                 request.pages.append(page)
-            request.num_computed = len(request.pages) * self.cfg.page_size
+            request.num_computed = request.num_committed = len(request.pages) * self.cfg.page_size
             request.cached_tokens = min(request.num_computed, len(request.prompt_ids))
             slot = self.slots.acquire()
             assert slot is not None
@@ -104,17 +111,27 @@ class Scheduler:
         """The next step's work. Allocates the pages it will write; may preempt."""
         self._admit()
         plan = StepPlan()
+        decoding: list[Request] = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if (request.state is State.RUNNING and request.pending == 1
+                    and len(request.output_ids) + request.unread < request.params.max_tokens
                     and self._reserve(request, request.num_computed + 1, plan)):
-                plan.decode.append(request)
+                decoding.append(request)
         prefilling = [r for r in self.running if r.pending > 1]
         if prefilling:
             request = min(prefilling, key=lambda r: r.arrival)
             length = min(request.pending, self.cfg.max_chunk)
             if self._reserve(request, request.num_computed + length, plan):
-                plan.prefill = Chunk(request, request.num_computed, length)
+                plan.prefill = self._advance(request, length)
+        plan.decode = [self._advance(r, 1) for r in decoding if r.state is State.RUNNING]
         return plan
+
+    def _advance(self, request: Request, length: int) -> Chunk:
+        """Counts `length` positions as computed, and their sample as drawn, before the step runs."""
+        chunk = Chunk(request, request.num_computed, length, request.num_computed + length == request.num_tokens)
+        request.num_computed += length
+        request.unread += chunk.sample
+        return chunk
 
     def _reserve(self, request: Request, upto: int, plan: StepPlan) -> bool:
         """Gives `request` pages for positions < upto, preempting later arrivals; False if it was preempted."""
@@ -138,9 +155,8 @@ class Scheduler:
         self.num_preemptions += 1
         index = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
         self.waiting.insert(index, request)
+        request.num_committed = 0
         plan.preempted.append(request)
-        if request in plan.decode:
-            plan.decode.remove(request)
 
     def _release(self, request: Request) -> None:
         for page in request.pages:
@@ -151,18 +167,27 @@ class Scheduler:
             request.slot = None
 
     # -- after the step ----------------------------------------------------------------------
-    def commit(self, request: Request, computed: int, token: int | None) -> None:
-        """Records that `computed` more tokens are in the cache and, if sampled, the next token."""
-        before = request.num_computed
-        request.num_computed += computed
-        size = self.cfg.page_size
-        full_before, full_after = before // size, request.num_computed // size
-        if full_after > full_before:
-            hashes = page_hashes(request.all_ids, size, full_after)
-            for i in range(full_before, full_after):
-                self.pages.register(request.pages[i], hashes[i])
-        if token is None:
+    def commit(self, chunk: Chunk, token: int | None) -> None:
+        """Records what a dispatched chunk produced: its K/V (now shareable) and the sampled token.
+
+        A request preempted since the chunk was planned keeps only the token: its pages are gone
+        and it recomputes them, token included, when it runs again.
+        """
+        request = chunk.request
+        if request.finished:
             return
+        if request.state is State.RUNNING and chunk.start == request.num_committed:
+            size = self.cfg.page_size
+            full_before = request.num_committed // size
+            request.num_committed += chunk.length
+            full_after = request.num_committed // size
+            if full_after > full_before:
+                hashes = page_hashes(request.all_ids, size, full_after)
+                for i in range(full_before, full_after):
+                    self.pages.register(request.pages[i], hashes[i])
+        if not chunk.sample or token is None:
+            return
+        request.unread -= 1
         request.output_ids.append(token)
         if token in request.stop_ids:
             self.finish(request, "stop")
@@ -173,6 +198,9 @@ class Scheduler:
         if request.state is State.RUNNING:
             self._release(request)
             self.running.remove(request)
+        elif request.state is State.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        request.unread = 0
         request.state = State.FINISHED
         request.finish_reason = reason
 
