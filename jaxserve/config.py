@@ -183,6 +183,7 @@ class EngineConfig:
     num_pages: int = 512
     max_pages_per_slot: int = 64  # the longest sequence a slot can hold is page_size * this
     chunk_buckets: tuple[int, ...] = (16, 64, 256)  # prefill chunk sizes; the largest is the chunk limit
+    prefill_rows: tuple[int, ...] = (1,)  # how many requests' chunks one prefill step may carry
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
 
@@ -192,6 +193,8 @@ class EngineConfig:
                 raise JaxserveError(f"engine config {name} must be at least 1, got {getattr(self, name)}")
         if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)):
             raise JaxserveError(f"chunk_buckets must be strictly increasing and non-empty, got {self.chunk_buckets}")
+        if not self.prefill_rows or list(self.prefill_rows) != sorted(set(self.prefill_rows)) or self.prefill_rows[0] != 1:
+            raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
         if self.num_pages < self.max_pages_per_slot:
             raise JaxserveError(
                 f"num_pages={self.num_pages} cannot hold even one full slot of max_pages_per_slot={self.max_pages_per_slot}"
@@ -204,6 +207,27 @@ class EngineConfig:
     @property
     def max_chunk(self) -> int:
         return self.chunk_buckets[-1]
+
+    @property
+    def prefill_buckets(self) -> tuple[tuple[int, int], ...]:
+        """(rows, width) of the compiled prefill steps: every chunk size, with as many rows as fit
+        in the largest chunk's tokens (one step's prefill budget)."""
+        return tuple((r, c) for c in self.chunk_buckets for r in self.prefill_rows if r == 1 or r * c <= self.max_chunk)
+
+    def width_for(self, length: int) -> int:
+        """The smallest chunk bucket that holds `length` tokens."""
+        return next(c for c in self.chunk_buckets if c >= length)
+
+    def prefill_rows_for(self, width: int, rows: int) -> int:
+        """The smallest compiled row count at this width that holds `rows` chunks."""
+        return next(r for r, c in self.prefill_buckets if c == width and r >= rows)
+
+    def max_prefill_rows(self, width: int) -> int:
+        return max(r for r, c in self.prefill_buckets if c == width)
+
+    def decode_rows_for(self, slots: int) -> int:
+        """The smallest decode bucket that covers slots [0, slots)."""
+        return next(r for r in self.decode_buckets if r >= slots)
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The jit boundary: one step function, compiled ahead of time for a fixed list of shape buckets.
 
 Buckets are (rows, width): (r, 1) for decode over the first r slots, for each r in
-`decode_buckets`, and (1, c) for each prefill chunk size c.
+`decode_buckets`, and (r, c) for prefill chunks of width c from r requests (`prefill_buckets`).
 All are compiled at start; a step of any other shape raises instead of compiling. The KV cache
 is donated, so XLA updates its pages in place.
 """
@@ -66,7 +66,9 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     last_tokens = state.last_tokens.at[inp["slots"]].set(tokens, mode="drop")
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    top_logprobs, top_ids = jax.lax.cond(  # the sort is skipped when no row asks for alternatives
+        jnp.any(inp["want_top"]), lambda: tuple(jax.lax.top_k(logprobs, NUM_TOP)),
+        lambda: (jnp.zeros((logits.shape[0], NUM_TOP), logprobs.dtype), jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32)))
     packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32), top_logprobs],
                              axis=-1)
     return packed, DeviceState(out.cache, last_tokens)
@@ -85,7 +87,7 @@ class StepRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.state = DeviceState(KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype),
                                  jnp.zeros(cfg.max_slots, jnp.int32))
-        self.buckets = [(r, 1) for r in cfg.decode_buckets] + [(1, c) for c in cfg.chunk_buckets]
+        self.buckets = sorted({(r, 1) for r in cfg.decode_buckets} | set(cfg.prefill_buckets))
         self._compiled: dict[tuple[int, int], Any] = {}
         jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config), donate_argnums=(1,))
         start = time.perf_counter()
@@ -93,14 +95,6 @@ class StepRunner:
             example = StepInput.build([None] * bucket[0], bucket[1], cfg.max_pages_per_slot, cfg.max_slots)
             self._compiled[bucket] = jitted.lower(self.weights, self.state, vars(example)).compile()
         log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
-
-    def width_for(self, length: int) -> int:
-        """The smallest prefill bucket that holds a chunk of `length` tokens."""
-        return next(c for c in self.cfg.chunk_buckets if c >= length)
-
-    def rows_for(self, slots: int) -> int:
-        """The smallest decode bucket that covers slots [0, slots)."""
-        return next(r for r in self.cfg.decode_buckets if r >= slots)
 
     def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]:
         """Enqueues a step on the device and returns at once; calling the result waits and copies it back."""

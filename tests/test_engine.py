@@ -38,7 +38,7 @@ def test_64_requests_through_a_small_pool_match_running_alone(smollm, alone_engi
         params[i] = SamplingParams(max_tokens=params[i].max_tokens, ignore_eos=True, stop_token_ids=(stop,))
         expected[i] = alone[i][:alone[i].index(stop) + 1]
     crowded = build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
-                                                chunk_buckets=(16, 64)))
+                                                chunk_buckets=(16, 64), prefill_rows=(1, 4)))
     together = crowded.generate(prompts, params)
     assert crowded.scheduler.num_preemptions > 0
     assert [r.output_ids for r in together] == expected

@@ -18,7 +18,7 @@ def fake_token(ids: list[int]) -> int:
 
 
 def chunks(plan: StepPlan) -> list[Chunk]:
-    return ([plan.prefill] if plan.prefill else []) + plan.decode
+    return plan.prefill + plan.decode
 
 
 def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000,
@@ -34,6 +34,10 @@ def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_step
         while pending and pending[0][0] <= step:
             scheduler.add(pending.pop(0)[1])
         plan = scheduler.schedule()
+        if plan.prefill:
+            assert len(plan.prefill) <= scheduler.cfg.max_prefill_rows(plan.prefill_width)
+            assert all(c.length <= plan.prefill_width for c in plan.prefill)
+            assert len({c.request.request_id for c in plan.prefill}) == len(plan.prefill)
         launched = []
         for chunk in chunks(plan):
             request = chunk.request
@@ -68,12 +72,13 @@ requests_strategy = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(requests_strategy, st.integers(1, 6), st.sampled_from([4, 8, 16]), st.integers(0, 40), st.randoms())
-def test_every_request_finishes_and_nothing_leaks(specs, max_slots, page_size, extra_pages, rng):
+@given(requests_strategy, st.integers(1, 6), st.sampled_from([4, 8, 16]), st.integers(0, 40),
+       st.sampled_from([(1,), (1, 2, 4)]), st.randoms())
+def test_every_request_finishes_and_nothing_leaks(specs, max_slots, page_size, extra_pages, prefill_rows, rng):
     longest = max(n + m for _, n, m, _ in specs)
     pages_per_slot = -(-longest // page_size)
     cfg = EngineConfig(max_slots=max_slots, page_size=page_size, num_pages=pages_per_slot + extra_pages,
-                       max_pages_per_slot=pages_per_slot, chunk_buckets=(8, 32))
+                       max_pages_per_slot=pages_per_slot, chunk_buckets=(8, 32), prefill_rows=prefill_rows)
     scheduler = Scheduler(cfg)
     prefixes = [[rng.randrange(97) for _ in range(64)] for _ in range(4)]  # shared system prompts
     arrivals = []
@@ -101,7 +106,7 @@ def test_outputs_do_not_depend_on_pool_size():
 
     def run(num_pages: int, max_slots: int) -> tuple[list[list[int]], int]:
         cfg = EngineConfig(max_slots=max_slots, page_size=8, num_pages=num_pages, max_pages_per_slot=10,
-                           chunk_buckets=(8, 32))
+                           chunk_buckets=(8, 32), prefill_rows=(1, 2, 4))
         scheduler = Scheduler(cfg)
         requests = [Request(f"r{i}", p, SamplingParams(max_tokens=m), arrival=i) for i, (p, m) in enumerate(specs)]
         simulate(scheduler, [(0, r) for r in requests])

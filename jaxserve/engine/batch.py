@@ -27,6 +27,7 @@ class StepInput:
     temperature: np.ndarray  # [rows] float32
     top_k: np.ndarray  # [rows] int32
     top_p: np.ndarray  # [rows] float32
+    want_top: np.ndarray  # [rows] bool: the request asked for top log-probabilities
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -46,6 +47,7 @@ class StepInput:
             valid=np.zeros((n, width), bool), page_table=np.zeros((n, pages_per_slot), np.int32),
             last=np.zeros(n, np.int32), seeds=np.zeros(n, np.uint32), steps=np.zeros(n, np.int32),
             temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+            want_top=np.zeros(n, bool),
         )
         for i, row in enumerate(rows):
             if row is None:
@@ -66,6 +68,7 @@ class StepInput:
             p = request.params
             inp.seeds[i], inp.steps[i] = p.seed, max(0, len(request.output_ids) + request.unread - 1)
             inp.temperature[i], inp.top_k[i], inp.top_p[i] = p.temperature, p.top_k, p.top_p
+            inp.want_top[i] = p.logprobs > 0
         return inp
 
 

@@ -32,8 +32,6 @@ Dispatched = list[tuple[list[Chunk | None], Callable[[], StepOutput]]]  # rows o
 
 class Runner(Protocol):
     def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]: ...
-    def width_for(self, length: int) -> int: ...
-    def rows_for(self, slots: int) -> int: ...
 
 
 @dataclass
@@ -176,11 +174,13 @@ class Engine:
         """Dispatches the plan's prefill chunk and its decode rows; no result is read here."""
         self.stats.steps += 1
         dispatched = []
-        if plan.prefill is not None:
-            dispatched.append(self._dispatch([plan.prefill], self.runner.width_for(plan.prefill.length)))
+        if plan.prefill:
+            chunks: list[Chunk | None] = list(plan.prefill)
+            chunks += [None] * (self.cfg.prefill_rows_for(plan.prefill_width, len(chunks)) - len(chunks))
+            dispatched.append(self._dispatch(chunks, plan.prefill_width))
             self.stats.prefill_steps += 1
         if plan.decode:
-            rows: list[Chunk | None] = [None] * self.runner.rows_for(max(c.request.slot or 0 for c in plan.decode) + 1)
+            rows: list[Chunk | None] = [None] * self.cfg.decode_rows_for(max(c.request.slot or 0 for c in plan.decode) + 1)
             for chunk in plan.decode:
                 assert chunk.request.slot is not None
                 rows[chunk.request.slot] = chunk

@@ -1,9 +1,10 @@
 """The scheduler: decides each step's work and changes only host state. No jax here.
 
-Every step runs the decode rows (requests with exactly one token to compute) and at most one
-prefill chunk (the oldest request with more than one), so a long prompt delays running streams
-by one chunk at most. Pages are taken as tokens need them; when none is left, the most recent
-arrival is preempted (its pages freed, recomputed later, its prefix likely still cached).
+Every step runs the decode rows (requests with exactly one token to compute) and one prefill
+step of at most one largest chunk's worth of tokens (the oldest prompt's next chunk, plus chunks of
+younger prompts in the remaining rows), so a long prompt delays running streams by one chunk at
+most. Pages are taken as tokens need them; when none is left, the most recent arrival is
+preempted (its pages freed, recomputed later, its prefix likely still cached).
 
 `schedule` plans a step as if it had already run (positions computed, tokens sampled but
 unread); `commit` later records what the step produced. Between the two the engine plans and
@@ -32,13 +33,14 @@ class Chunk:
 
 @dataclass
 class StepPlan:
-    prefill: Chunk | None = None
+    prefill: list[Chunk] = field(default_factory=list)  # one row each, all of width `prefill_width`
+    prefill_width: int = 0
     decode: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return not self.prefill and not self.decode
 
 
 @dataclass
@@ -117,14 +119,26 @@ class Scheduler:
                     and len(request.output_ids) + request.unread < request.params.max_tokens
                     and self._reserve(request, request.num_computed + 1, plan)):
                 decoding.append(request)
-        prefilling = [r for r in self.running if r.pending > 1]
-        if prefilling:
-            request = min(prefilling, key=lambda r: r.arrival)
-            length = min(request.pending, self.cfg.max_chunk)
-            if self._reserve(request, request.num_computed + length, plan):
-                plan.prefill = self._advance(request, length)
+        self._plan_prefill(plan)
         plan.decode = [self._advance(r, 1) for r in decoding if r.state is State.RUNNING]
         return plan
+
+    def _plan_prefill(self, plan: StepPlan) -> None:
+        """The oldest prompt's next chunk sets the width; younger prompts fill the step's other rows."""
+        prefilling = sorted((r for r in self.running if r.pending > 1), key=lambda r: r.arrival)
+        if not prefilling:
+            return
+        width = self.cfg.width_for(min(prefilling[0].pending, self.cfg.max_chunk))
+        for request in prefilling:
+            if len(plan.prefill) == self.cfg.max_prefill_rows(width):
+                break
+            if request.state is not State.RUNNING:  # preempted to make room for an older one
+                continue
+            length = min(request.pending, width)
+            if self._reserve(request, request.num_computed + length, plan):
+                plan.prefill.append(self._advance(request, length))
+        plan.prefill = [c for c in plan.prefill if c.request.state is State.RUNNING]
+        plan.prefill_width = width
 
     def _advance(self, request: Request, length: int) -> Chunk:
         """Counts `length` positions as computed, and their sample as drawn, before the step runs."""

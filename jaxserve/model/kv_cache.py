@@ -15,22 +15,22 @@ from jaxserve.model.weights import pytree_dataclass
 @pytree_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    k: Any  # tuple over layers of [num_pages, page_size, kv_heads, head_dim]
+    k: Any  # tuple over layers of [kv_heads, num_pages, page_size, head_dim] (see pallas_kernels.paged_attention)
     v: Any
 
     @staticmethod
     def zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> KVCache:
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
     @property
     def num_pages(self) -> int:
-        return int(self.k[0].shape[0])
+        return int(self.k[0].shape[1])
 
     @property
     def page_size(self) -> int:
-        return int(self.k[0].shape[1])
+        return int(self.k[0].shape[2])
 
 
 def cache_bytes(cache: KVCache) -> int:

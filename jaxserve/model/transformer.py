@@ -75,11 +75,12 @@ def _layer(
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         pages, offsets = write_at
-        flat = (x.shape[0] * x.shape[1], *k.shape[2:])
-        k_pages = k_pages.at[pages, offsets].set(k.reshape(flat).astype(k_pages.dtype), mode="drop")
-        v_pages = v_pages.at[pages, offsets].set(v.reshape(flat).astype(v_pages.dtype), mode="drop")
+        flat = (x.shape[0] * x.shape[1], *k.shape[2:])  # [tokens, kv_heads, head_dim]
+        k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
+        v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
         attn = paged_attention_reference(q, k_pages, v_pages, page_table, positions)
-        x = x + jnp.einsum("btnh,nhd->btd", attn, w.wo)
+        b, t, n, hd = attn.shape  # one 2-D product: XLA then keeps wo in place instead of transposing it
+        x = x + jnp.dot(attn.reshape(b * t, n * hd), w.wo.reshape(n * hd, -1)).reshape(b, t, -1)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, w.w_gate))
