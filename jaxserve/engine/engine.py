@@ -88,8 +88,11 @@ class Engine:
                priority: int = 0) -> Request:
         """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`.
 
-        Lower `priority` values are admitted first; equal ones in order of arrival.
+        Lower `priority` values are admitted first; equal ones in order of arrival. After a fault
+        the engine takes nothing more: submit raises RuntimeError.
         """
+        if self.fault is not None:
+            raise RuntimeError(f"the engine stopped after a fault: {type(self.fault).__name__}: {self.fault}")
         if not prompt_ids:
             raise InputError("the prompt is empty: it encodes to zero tokens")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)

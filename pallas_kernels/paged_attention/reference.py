@@ -32,4 +32,8 @@ def paged_attention_reference(
     visible = jnp.arange(k.shape[1])[None, None, :] <= q_positions[:, :, None]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # Keys past the row's last query hold stale values from the page's previous owner (NaN, after a
+    # request whose activations overflowed); zero them, since a zero weight times NaN is still NaN.
+    written = jnp.arange(v.shape[1])[None, :] <= q_positions.max(axis=1)[:, None]  # [b, s]
+    v = jnp.where(written[:, :, None, None], v, jnp.zeros((), v.dtype))
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
