@@ -91,8 +91,10 @@ def generate_request(*, prompt: str | None = None, token_ids: Sequence[int] | No
     if prompt is not None:
         request.prompt = prompt
     elif token_ids is not None:
+        request.token_ids.SetInParent()  # selects the input even when the list is empty
         request.token_ids.ids.extend(token_ids)
     else:
+        request.messages.SetInParent()
         request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ())
     return request
 

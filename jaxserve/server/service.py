@@ -53,6 +53,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._draining = False
 
     @property
+    def in_flight(self) -> int:
+        """Generate calls admitted and not yet finished."""
+        with self._lock:
+            return len(self._in_flight)
+
+    @property
     def capacity(self) -> int:
         """Calls admitted at once: the engine's slots plus the waiting-queue bound."""
         return self.cfg.engine.max_slots + self.cfg.max_waiting

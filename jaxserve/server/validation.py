@@ -44,6 +44,8 @@ def prompt_ids(input_kind: str | None, request: pb.GenerateRequest | pb.Tokenize
     elif input_kind == "token_ids":
         assert isinstance(request, pb.GenerateRequest)
         ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("token_ids.ids is empty; send at least one token id")
         bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"token_ids.ids[{bad[0]}]={bad[1]} is outside the vocabulary [0, {vocab_size})")
