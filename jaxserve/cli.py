@@ -93,29 +93,59 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Until the gRPC service lands: an interactive chat on stdin."""
-    from jaxserve.config import EngineConfig, SamplingParams
-    from jaxserve.step import build_engine
+    """Serves the gRPC API until SIGTERM; flags override the YAML config."""
+    import dataclasses
 
-    model = _load(args)
-    engine = build_engine(model, EngineConfig(max_slots=1, num_pages=256, max_pages_per_slot=256))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    print("jaxserve interactive demo (the gRPC server is not built yet). Type a message; Ctrl-D quits.",
-          file=sys.stderr)
-    history: list[dict[str, str]] = []
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line.strip()})
-        prompt = model.tokenizer.encode_chat(history)
+    from jaxserve.config import ServerConfig, load_yaml
+    from jaxserve.server.server import serve
+
+    cfg = load_yaml(ServerConfig, args.config) if args.config else ServerConfig()
+    overrides = {name: getattr(args, name) for name in ("host", "port", "metrics_port", "model", "dtype")
+                 if getattr(args, name) is not None}
+    cfg = dataclasses.replace(cfg, **overrides)
+    dtype = cfg.dtype or _default_dtype()
+
+    def load() -> tuple[Any, Any]:
+        from jaxserve.checkpoint import load_model
+        from jaxserve.server.server import model_info
+        from jaxserve.step import build_engine
+
+        model = load_model(cfg.model, dtype=dtype)
+        engine = build_engine(model, cfg.engine)
+        return engine, model_info(model, engine, cfg, dtype=dtype)
+
+    from jaxserve.step import compilation_count
+
+    logging.getLogger("jaxserve.server").setLevel(logging.INFO)
+    return serve(cfg, load, compilations=compilation_count)
+
+
+def cmd_client_generate(args: argparse.Namespace) -> int:
+    """Streams one generation from a running server to stdout."""
+    import grpc
+
+    from jaxserve.client import TLS, Client, Completion
+
+    tls = TLS.from_files(args.ca, args.key, args.cert) if (args.ca or args.cert) else None
+    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    result = Completion()
+    with Client(args.address, token=args.token, tls=tls) as client:
         try:
-            reply = engine.generate([prompt], [params])[0].text
-        except JaxserveError as e:
-            print(f"error: {e}", file=sys.stderr)
-            history.clear()
-            continue
-        history.append({"role": "assistant", "content": reply})
-        print(reply, flush=True)
+            for response in client.generate(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                            top_p=args.top_p, seed=args.seed, timeout=args.timeout, **kwargs):
+                result.add(response)
+                if response.HasField("chunk") and not args.json:
+                    print(response.chunk.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\njaxserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "text": result.text, "token_ids": result.token_ids,
+                          "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
+                          "completion_tokens": result.completion_tokens, "cached_tokens": result.cached_tokens},
+                         ensure_ascii=False))
+    else:
+        print(flush=True)
     return 0
 
 
@@ -170,10 +200,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
 
-    serve = sub.add_parser("serve", help="serve the model")
+    serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) until SIGTERM")
     _add_model_args(serve)
-    sampling(serve)
+    serve.add_argument("--config", default=None, help="ServerConfig YAML, e.g. configs/serve.yaml (default: built-in)")
+    serve.add_argument("--host", default=None, help="address to listen on (default from the config: 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=None, help="gRPC port (default from the config: 50051)")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default from the config: 9090)")
     serve.set_defaults(func=cmd_serve)
+
+    client = sub.add_parser("client", help="talk to a running server")
+    client_sub = client.add_subparsers(dest="client_command", required=True)
+    cgen = client_sub.add_parser("generate", help="stream one generation to the terminal")
+    cgen.add_argument("--address", default="localhost:50051", help="HOST:PORT of the server")
+    cgen.add_argument("--token", default=None, help="bearer token, if the server wants one")
+    cgen.add_argument("--ca", default=None, help="PEM CA of the server's certificate (turns TLS on)")
+    cgen.add_argument("--cert", default=None, help="PEM client certificate for mutual TLS")
+    cgen.add_argument("--key", default=None, help="PEM client key for mutual TLS")
+    cgen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    cgen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    cgen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    sampling(cgen)
+    cgen.add_argument("prompt", metavar="PROMPT")
+    cgen.set_defaults(func=cmd_client_generate)
     return parser
 
 

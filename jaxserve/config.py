@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from jaxserve.errors import JaxserveError
@@ -162,16 +163,37 @@ T = TypeVar("T")
 
 
 def load_yaml(cls: type[T], path: str) -> T:
-    """Loads a YAML file into the frozen config dataclass `cls`; unknown keys are an error."""
+    """Loads a YAML file into the frozen config dataclass `cls`; unknown keys are an error.
+
+    A mapping under a field typed as another config dataclass loads into that class (so
+    `engine:` in a serve config becomes an EngineConfig), and a list under a tuple field becomes
+    a tuple.
+    """
     import yaml
 
     with open(path) as f:
         data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise JaxserveError(f"{path}: expected a mapping of {cls.__name__} keys, got {type(data).__name__}")
+    return _from_mapping(cls, data, path)
+
+
+def _from_mapping(cls: type[T], data: dict[str, Any], where: str) -> T:
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - known)
     if unknown:
-        raise JaxserveError(f"{path}: unknown keys {unknown} for {cls.__name__}; known keys: {sorted(known)}")
-    return cls(**data)
+        raise JaxserveError(f"{where}: unknown keys {unknown} for {cls.__name__}; known keys: {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        hint = hints[key]
+        nested = next((t for t in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(t)), None)
+        if nested is not None and isinstance(value, dict):
+            value = _from_mapping(nested, value, f"{where}: {key}")  # type: ignore[arg-type]
+        elif isinstance(value, list) and typing.get_origin(hint) is tuple:
+            value = tuple(value)
+        values[key] = value
+    return cls(**values)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,3 +260,55 @@ class EngineConfig:
             sizes.add(n)
             n *= 4
         return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The gRPC server: where it listens, its limits, TLS and auth, and the model and engine it serves."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051  # 0 picks a free port
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int | None = 9090  # Prometheus /metrics over HTTP; None turns it off, 0 picks a free port
+    model: str | None = None  # GGUF file, HF or orbax directory; None serves the embedded SmolLM2
+    dtype: str | None = None  # float32 or bfloat16; None: float32 on CPU, bfloat16 on GPU/TPU
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_waiting: int = 64  # requests admitted beyond the running slots; past it, RESOURCE_EXHAUSTED
+    retry_after_ms: int = 1000  # the hint sent with RESOURCE_EXHAUSTED when the queue is full
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight calls get to finish
+    max_message_bytes: int = 4 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
+    max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
+    max_stop_strings: int = 8
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key turns TLS on
+    tls_key: str | None = None  # PEM private key
+    tls_client_ca: str | None = None  # PEM CA bundle; set, clients must present a certificate it signed (mTLS)
+    auth_token: str | None = None  # bearer token required on InferenceService calls
+    auth_token_file: str | None = None  # or a file holding it (a mounted secret)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise JaxserveError(f"port must be between 0 and 65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise JaxserveError(f"metrics_port must be between 0 and 65535 (null turns metrics off), got {self.metrics_port}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise JaxserveError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        for name in ("max_waiting", "retry_after_ms"):
+            if getattr(self, name) < 0:
+                raise JaxserveError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_message_bytes", "max_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise JaxserveError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_stop_strings < 0:
+            raise JaxserveError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if self.drain_timeout_s < 0:
+            raise JaxserveError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise JaxserveError(
+                f"TLS needs both tls_cert and tls_key, got tls_cert={self.tls_cert!r} and tls_key={self.tls_key!r}"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise JaxserveError(f"tls_client_ca={self.tls_client_ca!r} (mutual TLS) needs tls_cert and tls_key as well")
+        if self.auth_token is not None and self.auth_token_file is not None:
+            raise JaxserveError("set auth_token or auth_token_file, not both")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise JaxserveError("auth_token must not be empty; leave it unset to turn auth off")

@@ -149,3 +149,18 @@ def test_finished_prefix_stays_cached_until_evicted():
     q1, q2 = allocator.allocate(), allocator.allocate()  # the second evicts the cached page
     assert {q1, q2} == {0, 1} and allocator.lookup(123) is None
     allocator.check()
+
+
+def test_lower_priority_value_is_admitted_first_and_ties_keep_arrival_order():
+    scheduler = Scheduler(EngineConfig(max_slots=1, page_size=4, num_pages=8, max_pages_per_slot=4, chunk_buckets=(4,)))
+    params = SamplingParams(max_tokens=2)
+    order = [("late", 5), ("first", 0), ("second", 0), ("urgent", -1)]
+    for arrival, (name, priority) in enumerate(order):
+        scheduler.add(Request(name, [1, 2, 3], params, arrival, priority=priority))
+    admitted = []
+    while scheduler.has_work:
+        for chunk in chunks(scheduler.schedule()):
+            if chunk.request.request_id not in admitted:
+                admitted.append(chunk.request.request_id)
+            scheduler.commit(chunk, 7 if chunk.sample else None)
+    assert admitted == ["urgent", "first", "second", "late"]

@@ -6,11 +6,18 @@ and `cancel` put messages in the inbox, and each request's updates come back on 
 queue. The engine drains the inbox at the top of every step, so a cancelled request frees its
 slot and pages within one step. Without a thread (`run_until_done`), the caller's thread is the
 engine thread. Host code only; the device side is behind the `runner` (see jaxserve/step.py).
+
+Faults. If a step raises, the loop records the exception in `fault`, calls the `on_fault`
+listeners, fails every request in flight (a last Update with finish_reason "error") and stops: the
+device state can no longer be trusted. A request whose sampled token has a non-finite log-probability
+(its logits overflowed or turned NaN) ends alone with "error"; the others continue.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import queue
 import threading
 import time
@@ -26,6 +33,8 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
 from jaxserve.errors import InputError
+
+log = logging.getLogger(__name__)
 
 Dispatched = list[tuple[list[Chunk | None], Callable[[], StepOutput]]]  # rows of a dispatch, its lazy result
 
@@ -43,6 +52,7 @@ class Update:
     text: str
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # set with finish_reason "error": what went wrong
 
 
 @dataclass
@@ -71,10 +81,19 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._in_flight: Dispatched | None = None
         self._stopping = threading.Event()
+        self.fault: BaseException | None = None  # the exception that stopped the loop
+        self.on_fault: list[Callable[[BaseException], None]] = []  # called on the engine thread after a fault
 
     # -- the public surface ------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`."""
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None, *,
+               priority: int = 0) -> Request:
+        """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`.
+
+        Lower `priority` values are admitted first; equal ones in order of arrival. After a fault
+        the engine takes nothing more: submit raises RuntimeError.
+        """
+        if self.fault is not None:
+            raise RuntimeError(f"the engine stopped after a fault: {type(self.fault).__name__}: {self.fault}")
         if not prompt_ids:
             raise InputError("the prompt is empty: it encodes to zero tokens")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
@@ -87,9 +106,10 @@ class Engine:
             )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
-                          frozenset(stop_ids))
+                          frozenset(stop_ids), priority=priority)
         self.scheduler.check_fits(request)
         self._outboxes[request.request_id] = queue.Queue()
+        self._requests[request.request_id] = request  # so that a cancel right after submit is not lost
         self._inbox.put(("add", request))
         return request
 
@@ -100,6 +120,10 @@ class Engine:
 
     def outbox(self, request_id: str) -> queue.Queue[Update]:
         return self._outboxes[request_id]
+
+    def close_outbox(self, request_id: str) -> None:
+        """Forgets a request's outbox once its reader is done with it (a server calls this per request)."""
+        self._outboxes.pop(request_id, None)
 
     def run_until_done(self) -> None:
         """Steps on the caller's thread until every submitted request has finished."""
@@ -128,12 +152,29 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping.is_set():
-            if not self.busy:
-                self._handle(*self._inbox.get())
-            self._drain_inbox()
-            if self.busy:
-                self.step()
+        try:
+            while not self._stopping.is_set():
+                if not self.busy:
+                    self._handle(*self._inbox.get())
+                self._drain_inbox()
+                if self.busy:
+                    self.step()
+        except Exception as e:  # any failure of a step ends the loop; it is reported, not lost
+            self._fail_all(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Ends every request in flight with "error", records the fault and tells the listeners."""
+        log.error("engine step failed; failing %d requests in flight and stopping", len(self._requests),
+                  exc_info=error)
+        self.fault = error
+        self._stopping.set()
+        for listener in self.on_fault:  # first, so that a caller who sees its error also sees the fault
+            listener(error)
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        self._drain_inbox()
+        for request in list(self._requests.values()):
+            if not request.finished:
+                self._end_with_error(request, message)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -143,7 +184,9 @@ class Engine:
                 return
 
     def _handle(self, kind: str, request: Request) -> None:
-        if kind == "add":
+        if kind == "add" and self.fault is not None:
+            self._end_with_error(request, "the engine stopped after a fault")
+        elif kind == "add":
             self._requests[request.request_id] = request
             self._detok[request.request_id] = IncrementalDetokenizer(self.tokenizer)
             self.scheduler.add(request)
@@ -206,6 +249,10 @@ class Engine:
             self.scheduler.commit(chunk, None)
             return
         token = int(out.tokens[row])
+        if not math.isfinite(float(out.logprobs[row])):
+            # Nothing is committed: its pages must not enter the prefix cache.
+            self._end_with_error(request, f"the logits turned non-finite at position {request.num_tokens}")
+            return
         logprobs = []
         if request.params.logprobs:
             n = request.params.logprobs
@@ -219,6 +266,12 @@ class Engine:
             text += self._detok[request.request_id].flush()
         text = self._apply_stop_strings(request, text)
         self._emit(request, [token], text, logprobs)
+
+    def _end_with_error(self, request: Request, message: str) -> None:
+        """Frees the request's slot and pages and sends its last Update, with finish_reason "error"."""
+        self.scheduler.abort(request)
+        request.finish_reason = "error"
+        self._emit(request, [], "", [], error=message)
 
     def _apply_stop_strings(self, request: Request, delta: str) -> str:
         """Cuts the text at the first stop string and finishes the request there."""
@@ -242,10 +295,11 @@ class Engine:
             request.finish_reason = "stop"
         return emitted
 
-    def _emit(self, request: Request, ids: list[int], text: str, logprobs: list) -> None:
+    def _emit(self, request: Request, ids: list[int], text: str, logprobs: list, error: str | None = None) -> None:
         box = self._outboxes.get(request.request_id)
         if box is not None:
-            box.put(Update(request.request_id, ids, text, logprobs, request.finish_reason if request.finished else None))
+            box.put(Update(request.request_id, ids, text, logprobs, request.finish_reason if request.finished else None,
+                           error))
         if request.finished:
             self._requests.pop(request.request_id, None)
             self._detok.pop(request.request_id, None)

@@ -34,6 +34,7 @@ class Request:
     params: SamplingParams
     arrival: int  # order of arrival; later arrivals are preempted first
     stop_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower is admitted first
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     state: State = State.WAITING
@@ -47,6 +48,7 @@ class Request:
     finish_reason: str | None = None
     text: str = ""
     submitted_at: float = field(default_factory=time.perf_counter)
+    scheduled_at: float | None = None  # when it first took a slot
     token_times: list[float] = field(default_factory=list)
 
     @property

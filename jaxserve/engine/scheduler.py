@@ -13,6 +13,7 @@ dispatches the next step, so the device never waits for the host to read a step'
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,8 +72,10 @@ class Scheduler:
             )
 
     def add(self, request: Request) -> None:
+        """Queues a request behind every waiting one of the same or a lower (more urgent) priority."""
         self.check_fits(request)
-        self.waiting.append(request)
+        index = next((i for i, r in enumerate(self.waiting) if r.priority > request.priority), len(self.waiting))
+        self.waiting.insert(index, request)
 
     def abort(self, request: Request) -> None:
         """Removes a request wherever it is, freeing its slot and pages."""
@@ -106,6 +109,7 @@ class Scheduler:
             assert slot is not None
             request.slot = slot
             request.state = State.RUNNING
+            request.scheduled_at = request.scheduled_at or time.perf_counter()
             self.running.append(request)
 
     # -- planning ----------------------------------------------------------------------------
@@ -167,7 +171,8 @@ class Scheduler:
         request.num_computed = 0
         request.preemptions += 1
         self.num_preemptions += 1
-        index = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        index = next((i for i, r in enumerate(self.waiting) if (r.priority, r.arrival) > (request.priority, request.arrival)),
+                     len(self.waiting))
         self.waiting.insert(index, request)
         request.num_committed = 0
         plan.preempted.append(request)

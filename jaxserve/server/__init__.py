@@ -1,0 +1,1 @@
+"""The gRPC server (`jaxserve.v1.InferenceService`, health, reflection, auth) and its Prometheus metrics."""

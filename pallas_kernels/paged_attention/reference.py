@@ -42,5 +42,9 @@ def paged_attention_reference(
     visible = jnp.repeat(visible, h // kv, axis=1)  # [b, t * groups, keys], query-major like qg
     scores = jnp.where(visible[None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    # Keys past the row's last query hold stale values from the page's previous owner (NaN, after a
+    # request whose activations overflowed); zero them, since a zero weight times NaN is still NaN.
+    written = jnp.arange(keys)[None, :] <= q_positions.max(axis=1)[:, None]  # [b, keys]
+    v = jnp.where(written[None, :, :, None], v, jnp.zeros((), v.dtype))
     out = jnp.einsum("kbqs,kbsd->kbqd", probs, v).reshape(kv, b, t, h // kv, hd)
     return jnp.einsum("kbtgd->btkgd", out).reshape(b, t, h, hd)

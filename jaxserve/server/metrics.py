@@ -1,0 +1,106 @@
+"""Prometheus metrics, named as vLLM's with the prefix `jaxserve:`, served on their own HTTP port.
+
+Latency histograms are observed by the server as requests stream; the gauges and the engine's
+counters (running, waiting, KV usage, preemptions, compilations) are read from the engine when
+Prometheus scrapes. Each Metrics owns its registry: nothing global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from jaxserve.engine.engine import Engine
+from jaxserve.engine.request import Request
+
+PREFIX = "jaxserve:"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's queues, page pool and counters at scrape time."""
+
+    def __init__(self, model_name: str, compilations: Callable[[], int]) -> None:
+        self.model_name = model_name
+        self.compilations = compilations
+        self.engine: Engine | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        labels = [self.model_name]
+        running = GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in engine slots.", labels=["model_name"])
+        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for a slot.", labels=["model_name"])
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV pages in use (1 is full).",
+                                  labels=["model_name"])
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted for KV pages.",
+                                          labels=["model_name"])
+        compilations = CounterMetricFamily(PREFIX + "compilations", "XLA compilations in this process.",
+                                           labels=["model_name"])
+        engine = self.engine
+        if engine is not None:
+            scheduler = engine.scheduler
+            pages = scheduler.pages
+            running.add_metric(labels, len(scheduler.running))
+            waiting.add_metric(labels, len(scheduler.waiting))
+            usage.add_metric(labels, (pages.num_pages - pages.num_available) / pages.num_pages)
+            preemptions.add_metric(labels, scheduler.num_preemptions)
+        compilations.add_metric(labels, self.compilations())
+        yield from (running, waiting, usage, preemptions, compilations)
+
+
+class Metrics:
+    """The server's metrics in their own registry."""
+
+    def __init__(self, model_name: str, *, compilations: Callable[[], int] = lambda: 0) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        kw: dict[str, Any] = {"labelnames": ["model_name"], "registry": self.registry}
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", buckets=_TTFT_BUCKETS,
+                              **kw).labels(model_name)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             buckets=_ITL_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token of finished requests.",
+                             buckets=_REQUEST_BUCKETS, **kw).labels(model_name)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival until the request first took a slot.",
+                                    buckets=_REQUEST_BUCKETS, **kw).labels(model_name)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", **kw).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", **kw).labels(model_name)
+        self._engine = _EngineCollector(model_name, compilations)
+        self.registry.register(self._engine)
+        self._http: Any = None
+
+    def watch(self, engine: Engine) -> None:
+        """Reports this engine's gauges from now on."""
+        self._engine.engine = engine
+
+    def first_token(self, request: Request) -> None:
+        """Observes time to first token and queue time once the first token has been sampled."""
+        self.ttft.observe(request.token_times[0] - request.submitted_at)
+        if request.scheduled_at is not None:
+            self.queue_time.observe(max(0.0, request.scheduled_at - request.submitted_at))
+
+    def finished(self, request: Request) -> None:
+        """Observes a successfully finished request's inter-token gaps and end-to-end latency."""
+        times = request.token_times
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+        if times:
+            self.e2e.observe(times[-1] - request.submitted_at)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves /metrics over HTTP on a daemon thread; returns the bound port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http.server_port)
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

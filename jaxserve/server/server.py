@@ -1,0 +1,176 @@
+"""The gRPC server: InferenceService, health and reflection on one port, metrics on another.
+
+Life cycle. `start` binds the ports with health NOT_SERVING, so probes answer while weights load
+and buckets compile; `attach` hands over a started engine and turns health SERVING; `drain`
+(on SIGTERM) turns health NOT_SERVING for good, refuses new calls with UNAVAILABLE and gives
+in-flight calls up to the drain timeout; `stop` closes the ports. An engine fault turns health
+NOT_SERVING and is logged; the failed calls end with INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.config import ServerConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.errors import JaxserveError
+from jaxserve.server.auth import BearerTokenInterceptor, load_token
+from jaxserve.server.metrics import Metrics
+from jaxserve.server.service import SERVICE_NAME, InferenceServicer
+from jaxserve.v1 import inference_pb2 as pb
+from jaxserve.v1 import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+HEALTH_NAMES = ("", SERVICE_NAME)
+_EXTRA_WORKERS = 16  # threads beyond the admitted Generate calls, for Tokenize, GetModelInfo and reflection
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise JaxserveError(f"cannot read {what}={path!r}: {e.strerror}") from e
+
+
+def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS from the config's PEM files; with tls_client_ca, clients must present a certificate (mTLS)."""
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    pair = (_read(cfg.tls_key, "tls_key"), _read(cfg.tls_cert, "tls_cert"))
+    ca = _read(cfg.tls_client_ca, "tls_client_ca") if cfg.tls_client_ca else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class Server:
+    """One gRPC server and its metrics endpoint over (eventually) one engine."""
+
+    def __init__(self, cfg: ServerConfig, *, model_name: str = "jaxserve",
+                 compilations: Callable[[], int] | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics(model_name, **({"compilations": compilations} if compilations else {}))
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        for name in HEALTH_NAMES:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.service = InferenceServicer(cfg, self.metrics)
+        token = load_token(cfg.auth_token, cfg.auth_token_file)
+        self._grpc = grpc.server(
+            ThreadPoolExecutor(max_workers=self.service.capacity + _EXTRA_WORKERS, thread_name_prefix="jaxserve-grpc"),
+            interceptors=[BearerTokenInterceptor(token)] if token else [],
+            options=[("grpc.max_receive_message_length", cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_InferenceServiceServicer_to_server(self.service, self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME), self._grpc)
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.engine: Engine | None = None
+
+    def start(self) -> None:
+        """Binds and starts serving health (NOT_SERVING) and metrics; Generate answers UNAVAILABLE until `attach`."""
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        creds = server_credentials(self.cfg)
+        try:
+            port = self._grpc.add_secure_port(address, creds) if creds else self._grpc.add_insecure_port(address)
+        except RuntimeError as e:
+            raise JaxserveError(f"cannot listen on {address}: {e}; is the port taken?") from e
+        if not port:
+            raise JaxserveError(f"cannot listen on {address}; is the port taken?")
+        self.port = port
+        self._grpc.start()
+        if self.cfg.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        log.info("gRPC on %s:%d (%s), metrics on %s", self.cfg.host, port, "TLS" if creds else "plaintext",
+                 f"{self.cfg.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off")
+
+    def attach(self, engine: Engine, info: pb.ModelInfo) -> None:
+        """Serves `engine` (already started) from now on and turns health SERVING."""
+        self.engine = engine
+        engine.on_fault.append(self._on_fault)
+        self.service.attach(engine, info)
+        self.metrics.watch(engine)
+        if engine.fault is None:
+            for name in HEALTH_NAMES:
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def _on_fault(self, error: BaseException) -> None:
+        log.error("engine fault, health is NOT_SERVING from now on: %s: %s", type(error).__name__, error)
+        for name in HEALTH_NAMES:
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """NOT_SERVING, refuse new calls, wait for in-flight ones; True if all finished within the timeout."""
+        timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        self.health.enter_graceful_shutdown()
+        self.service.begin_drain()
+        start = time.perf_counter()
+        finished = self.service.wait_idle(timeout_s)
+        if not finished:
+            log.warning("drain timeout of %.1f s passed; cancelling the calls still in flight", timeout_s)
+            self.service.abort_in_flight()
+            self.service.wait_idle(5.0)
+        log.info("drained in %.1f s", time.perf_counter() - start)
+        return finished
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._grpc.stop(grace_s).wait()
+        self.metrics.stop()
+
+
+def model_info(model: Any, engine: Engine, cfg: ServerConfig, *, dtype: str) -> pb.ModelInfo:
+    """GetModelInfo's answer for a LoadedModel served by `engine`."""
+    tok = model.tokenizer
+    return pb.ModelInfo(
+        source=model.source, architecture=model.config.architecture, vocab_size=model.config.vocab_size,
+        context_length=model.config.max_position_embeddings, max_sequence_length=engine.cfg.max_seq_len,
+        max_tokens_limit=cfg.max_tokens_limit, max_stop_strings=cfg.max_stop_strings,
+        max_logprobs=min(20, engine.cfg.max_logprobs), eos_token_ids=list(tok.eos_token_ids), dtype=dtype,
+        has_chat_template=bool(tok.chat_template), max_slots=engine.cfg.max_slots)
+
+
+def serve(cfg: ServerConfig, load: Callable[[], tuple[Engine, pb.ModelInfo]], *,
+          compilations: Callable[[], int] | None = None) -> int:
+    """Runs a server until SIGTERM or SIGINT, then drains it; returns the exit code (0).
+
+    The ports open first, with health NOT_SERVING; `load` then loads the weights and compiles every
+    bucket (the caller owns the device side) and returns the engine, not yet started.
+    """
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.warning("%s received: draining", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server = Server(cfg, model_name=cfg.model or "embedded", compilations=compilations)
+    server.start()
+    log.info("listening on %s:%d; loading %s", cfg.host, server.port, cfg.model or "the embedded model")
+    start = time.perf_counter()
+    engine, info = load()
+    engine.start()
+    server.attach(engine, info)
+    log.info("serving %s (%s) on %s:%d after %.1f s; metrics on %s", info.source, info.dtype, cfg.host, server.port,
+             time.perf_counter() - start,
+             f"{cfg.metrics_host}:{server.metrics_port}" if server.metrics_port is not None else "off")
+    while not stop.wait(1.0):
+        pass
+    server.drain()
+    server.stop()
+    engine.stop()
+    log.info("stopped")
+    return 0
