@@ -48,7 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self.limits: Limits | None = None
         self.info = pb.ModelInfo()
         self._lock = threading.Condition()
-        self._in_flight: dict[str, Request] = {}  # engine request id -> request, for calls in Generate
+        self._in_flight: dict[str, Request | None] = {}  # engine request id -> request (None until submitted)
         self._forced: set[str] = set()  # requests cancelled by the drain rather than by their caller
         self._draining = False
 
@@ -151,7 +151,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"the waiting queue is full ({self.cfg.engine.max_slots} running slots and max_waiting="
                        f"{self.cfg.max_waiting} are taken); retry after {self.cfg.retry_after_ms} ms")
-            self._in_flight[engine_id] = None  # type: ignore[assignment]  # holds the place until submitted
+            self._in_flight[engine_id] = None
 
     def _stream(self, engine: Engine, request: Request, reply_id: str,
                 context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
