@@ -41,7 +41,7 @@ class BlockSizes:
         return COMPUTE_WGS * ROWS // self.heads_per_program
 
 
-def _mma_transforms(dtype: Any) -> tuple[Any, ...]:
+def mma_transforms(dtype: Any) -> tuple[Any, ...]:
     swizzle = 128
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
@@ -69,13 +69,9 @@ def mma_transposed(a_ref: Any, b_ref: Any, *, interpreted: bool) -> jax.Array:
 
 
 def mma_accumulate(acc: jax.Array, a: jax.Array, b_ref: Any, *, interpreted: bool) -> jax.Array:
-    """acc + a @ b_ref with wgmma accumulating in place (the interpreter lacks run_state: it adds)."""
+    """acc + a @ b_ref, with wgmma accumulating in place (the interpreter lacks register operands: it loads b)."""
     if interpreted:
-        def product(ref):
-            plgpu.wgmma(ref, a, b_ref)
-            return ref[...]
-
-        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+        return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
 
     def accumulate(ref):
         plgpu.wgmma(ref, a, b_ref)
@@ -239,7 +235,7 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
         copies = max(1, bs.block_k // ps)
     else:
         copies = 1
-    tr = _mma_transforms(dtype)
+    tr = mma_transforms(dtype)
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, paged=paged, causal=causal, scale=scale, group=group, bs=bs, num_qt=num_qt,
