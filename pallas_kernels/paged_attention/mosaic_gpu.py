@@ -54,7 +54,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             split_len: int, bs: BlockSizes, partial: bool, interpreted: bool):
     # q_ref: [>= rows, hd] the queries, one row per (slot, head); k_ref, v_ref: [pages, kv_heads, ps, hd]
     # table_ref: [b, pages_per_row]; len_ref: [b]
-    # outputs: o [b, heads, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32)
+    # outputs: o [b, kv_heads, rows, hd] or (o [b, kv_heads, splits, rows, hd] f32, lse [b, kv_heads, splits, 64] f32)
+    # rows: the group padded to 8; row r of a group holds query head kvh * group + r for r < group
     if partial:
         o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     else:
@@ -64,9 +65,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     kvh = lax.axis_index("kvh")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
-    heads = q_ref.shape[0]
-    row0 = (b * (k_ref.shape[1]) + kvh) * group
-    start = jnp.minimum(row0, heads - rows)
+    row0 = (b * k_ref.shape[1] + kvh) * group  # rows past the group's are other heads' or TMA's zero fill
     begin = split * split_len
     length = len_ref[b]
     end = jnp.minimum(length, begin + split_len)
@@ -114,7 +113,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     @pl.when(wg == 0)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start, rows)], q_smem.at[pl.ds(0, rows)], q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_smem.at[pl.ds(0, rows)], q_bar)
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
         col = wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
@@ -144,17 +143,16 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, l, acc))
         m, l, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
-        off = row0 - start
         out = acc / lax.broadcast_in_dim(jnp.where(l == 0.0, 1.0, l), acc.shape, [0])
         o_smem[...] = out.astype(o_smem.dtype)
         if partial:
             lse_smem[...] = m + jnp.log2(l)
         plgpu.commit_smem()
         if partial:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, group)], o_ref.at[b, kvh, split])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, kvh, split])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
         else:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(off, group)], o_ref.at[b, pl.ds(kvh * group, group)])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, kvh])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -182,8 +180,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     splits = -(-max_len // split_len)
     rows = -(-group // 8) * 8
     q_rows = q.astype(dtype).reshape(b * h, hd)
-    if b * h < rows:
-        q_rows = jnp.pad(q_rows, ((0, rows - b * h), (0, 0)))
+    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+    if rows > group and params is not None:  # the interpreter clamps the last groups' reads, TMA zero-fills them
+        q_rows = jnp.pad(q_rows, ((0, rows - group), (0, 0)))
     partial = splits > 1
     tr = mma_transforms(dtype)
     barriers = (
@@ -200,12 +199,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         plgpu.SMEM((ROWS, hd), jnp.float32 if partial else dtype),
     )
     if partial:
-        out_type = (jax.ShapeDtypeStruct((b, kv, splits, group, hd), jnp.float32),
+        out_type = (jax.ShapeDtypeStruct((b, kv, splits, rows, hd), jnp.float32),
                     jax.ShapeDtypeStruct((b, kv, splits, ROWS), jnp.float32))
         smem = (*smem, plgpu.SMEM((ROWS,), jnp.float32))
     else:
-        out_type = jax.ShapeDtypeStruct((b, h, hd), dtype)
-    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+        out_type = jax.ShapeDtypeStruct((b, kv, rows, hd), dtype)
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, bs=bs,
@@ -222,15 +220,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     k_pages, v_pages = k_pages.astype(dtype), v_pages.astype(dtype)
     out = kernel(q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
     if not partial:
-        return out.astype(q.dtype)
+        return out[:, :, :group].reshape(b, h, hd).astype(q.dtype)
     o_part, lse_part = out
-    offsets = jnp.arange(b * kv) * group  # row0 - start differs from 0 only for the last groups
-    starts = jnp.minimum(offsets, max(b * h, rows) - rows)
-    off = (offsets - starts).reshape(b, kv)
-    idx = off[:, :, None, None] + jnp.arange(group)[None, None, None, :]
-    lse = jnp.take_along_axis(lse_part, jnp.broadcast_to(idx, (b, kv, splits, group)), axis=3)
+    lse = lse_part[..., :group]  # [b, kv, splits, group]
     top = jnp.max(lse, axis=2, keepdims=True)
     w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(w, axis=2)
-    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+    o = jnp.sum(w[..., None] * o_part[:, :, :, :group], axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
     return o.reshape(b, h, hd).astype(q.dtype)
