@@ -3,7 +3,8 @@
 One program owns one slot's KV head (the whole query group: K/V are read once per group) and one
 split of its sequence. A producer warpgroup copies the pages of each `block_k`-token block into a
 ring of `stages` buffers; the compute warpgroup runs Q·Kᵀ and P·V on the tensor cores with the
-group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes).
+group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes; groups
+narrower than 8 are padded to 8 rows in HBM first, as TMA into 8-row tiles needs aligned starts).
 With several splits, each writes a float32 partial and its log-sum-exp, combined afterwards.
 """
 
@@ -52,7 +53,7 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
             split_len: int, bs: BlockSizes, partial: bool, interpreted: bool):
-    # q_ref: [>= rows, hd] the queries, one row per (slot, head); k_ref, v_ref: [pages, kv_heads, ps, hd]
+    # q_ref: [b * kv_heads * rows, hd] the queries, each group padded to rows; k_ref, v_ref: [pages, kv_heads, ps, hd]
     # table_ref: [b, pages_per_row]; len_ref: [b]
     # outputs: o [b, kv_heads, rows, hd] or (o [b, kv_heads, splits, rows, hd] f32, lse [b, kv_heads, splits, 64] f32)
     # rows: the group padded to 8; row r of a group holds query head kvh * group + r for r < group
@@ -65,7 +66,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     kvh = lax.axis_index("kvh")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
-    row0 = (b * k_ref.shape[1] + kvh) * group  # rows past the group's are other heads' or TMA's zero fill
+    row0 = pl.multiple_of((b * k_ref.shape[1] + kvh) * rows, 8)  # TMA into 8-row tiles needs aligned rows
     begin = split * split_len
     length = len_ref[b]
     end = jnp.minimum(length, begin + split_len)
@@ -179,10 +180,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     split_len = -(-split_len // bs.block_k) * bs.block_k
     splits = -(-max_len // split_len)
     rows = -(-group // 8) * 8
-    q_rows = q.astype(dtype).reshape(b * h, hd)
+    q_rows = q.astype(dtype).reshape(b, kv, group, hd)
+    if rows > group:  # one small copy: TMA into the tiled (8-row) operand needs 8-aligned group starts
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    q_rows = q_rows.reshape(b * kv * rows, hd)
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
-    if rows > group and params is not None:  # the interpreter clamps the last groups' reads, TMA zero-fills them
-        q_rows = jnp.pad(q_rows, ((0, rows - group), (0, 0)))
     partial = splits > 1
     tr = mma_transforms(dtype)
     barriers = (
