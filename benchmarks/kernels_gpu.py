@@ -20,7 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.flash_attention import mosaic_gpu as flash_gpu  # noqa: E402
-from pallas_kernels.flash_attention import reference as flash_ref  # noqa: E402
 from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E402
 from pallas_kernels.paged_attention import reference as decode_ref  # noqa: E402
 
@@ -102,7 +101,8 @@ def bench_flash(path: str, rows: list, quick: bool) -> None:
             except Exception as e:  # noqa: BLE001  (XLA's scores matrix can exceed memory)
                 xla_tf = float("nan")
                 print("xla failed:", type(e).__name__, str(e)[:200])
-            rows.append(f"flash s={seq:5d} causal={causal!s:5} bk={bs.block_k} st={bs.stages} ours {tf:6.1f} cudnn {flops / t_cudnn / 1e12:6.1f} "
+            rows.append(f"flash s={seq:5d} causal={causal!s:5} bk={bs.block_k} st={bs.stages} ours {tf:6.1f} "
+                        f"cudnn {flops / t_cudnn / 1e12:6.1f} "
                         f"xla {xla_tf:6.1f} TFLOP/s  ratio/cudnn {t_cudnn / t_ours:5.2f}  err {err:.1e}")
 
 
@@ -138,7 +138,8 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float) -> None:
                     print("decode failed", batch, ctx, bs, type(e).__name__, str(e)[:300])
                     continue
                 bw = nbytes / t
-                config = dict(timing="20 calls in one jit", batch=batch, context=ctx, heads=heads, kv_heads=kv, head_dim=hd, page_size=ps,
+                config = dict(timing="20 calls in one jit", batch=batch, context=ctx, heads=heads, kv_heads=kv,
+                              head_dim=hd, page_size=ps,
                               block_k=bs.block_k, stages=bs.stages, dtype="bfloat16", err_vs_reference=err)
                 record(path, "paged_decode", config, "kv_bandwidth", bw / 1e12, "TB/s", "device_copy", copy_bw / 1e12)
                 if best is None or t < best[0]:

@@ -2,7 +2,7 @@
 
 Backends: "reference" (pure jnp), "mosaic_gpu" (Hopper), "mosaic_tpu", "pallas" (the Pallas
 backend of the current platform; on CPU the Mosaic GPU kernels in interpret mode) and "auto"
-(Mosaic GPU on a GPU, Mosaic TPU on a TPU, the reference elsewhere).
+(Mosaic GPU on a GPU, the reference elsewhere; Mosaic TPU once its kernels are written).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def resolve(backend: str) -> str:
     if platform in ("gpu", "cuda"):
         return "mosaic_gpu"
     if platform == "tpu":
-        return "mosaic_tpu"
+        return "reference" if backend == "auto" else "mosaic_tpu"  # until the Mosaic TPU kernels exist
     return "reference" if backend == "auto" else "mosaic_gpu"
 
 
@@ -46,3 +46,7 @@ def interpret_params(backend: str, interpret: bool | None) -> Any:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
     return InterpretGPUParams()
+
+
+def not_written(backend: str) -> NotImplementedError:
+    return NotImplementedError(f"backend={backend!r}: the Mosaic TPU kernels are not written yet; use 'reference'")

@@ -1,6 +1,6 @@
 """Flash attention (prefill): dense K/V, or a chunk attending to its row's K/V held in pages.
 
-`backend`: "auto" (Mosaic GPU on GPU, Mosaic TPU on TPU, reference elsewhere), "pallas" (the
+`backend`: "auto" (Mosaic GPU on GPU, reference elsewhere), "pallas" (the
 platform's Pallas kernel; on CPU the Mosaic GPU one, interpreted), "reference", "mosaic_gpu",
 "mosaic_tpu". Layout of pages: [num_pages, kv_heads, page_size, head_dim].
 """
@@ -20,7 +20,7 @@ def _impl(backend: str) -> Any:
     if name == "mosaic_gpu":
         from pallas_kernels.flash_attention import mosaic_gpu as module
     elif name == "mosaic_tpu":
-        from pallas_kernels.flash_attention import mosaic_tpu as module
+        raise backend_lib.not_written(name)
     else:
         module = reference
     return module

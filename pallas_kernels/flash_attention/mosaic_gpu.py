@@ -33,7 +33,7 @@ class BlockSizes:
     """Tiling of the Mosaic GPU flash kernel."""
 
     block_k: int = 128  # keys per step (the wgmma N of Q·Kᵀ, the K of P·V)
-    stages: int = 2  # K/V buffers in the ring
+    stages: int = 3  # K/V buffers in the ring (3: best or within 0.5 % on the H100 sweep)
     heads_per_program: int = 1  # query heads of one group per program; 128 // this = query positions
 
     @property
@@ -166,7 +166,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
         plgpu.barrier_wait(q_bar.at[wg])
 
         def step(j, carry, *, masked: bool):
-            m, l, acc = carry
+            m, denom, acc = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
 
@@ -181,22 +181,22 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + jnp.sum(p, axis=1)
+            denom = denom * alpha + jnp.sum(p, axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
 
             acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
             plgpu.barrier_arrive(v_free.at[slot])
-            return m_new, l, acc
+            return m_new, denom, acc
 
         hd = q_smem.shape[-1]
         m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
-        l = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
+        denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
         acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
-        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, l, acc))
-        m, l, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
-        l = jnp.where(l == 0.0, 1.0, l)
-        out = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
+        m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+        denom = jnp.where(denom == 0.0, 1.0, denom)
+        out = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
         q_tile[...] = out.astype(q_tile.dtype)
         plgpu.commit_smem()
         for s, head, pos in segments(wg):

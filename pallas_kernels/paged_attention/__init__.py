@@ -36,7 +36,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
     if name == "mosaic_gpu":
         from pallas_kernels.paged_attention import mosaic_gpu as module
     elif name == "mosaic_tpu":
-        from pallas_kernels.paged_attention import mosaic_tpu as module
+        raise backend_lib.not_written(name)
     else:
         module = reference
     return module.paged_attention(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
