@@ -27,6 +27,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default: float32 on CPU, bfloat16 on GPU/TPU)")
 
 
+def _add_attention_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention", choices=("auto", "reference", "pallas"), default=None,
+                   help="attention implementation: Pallas kernels where the platform has them (auto), plain XLA "
+                        "(reference), or the kernels everywhere (pallas; interpreted, slowly, on CPU)")
+
+
 def _load(args: argparse.Namespace) -> Any:
     from jaxserve.checkpoint import load_model
 
@@ -52,7 +58,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"prompt of {len(p)} tokens plus max_tokens={params.max_tokens} exceeds the model's context of "
                 f"{model.config.max_position_embeddings} tokens; shorten the prompt or lower max_tokens"
             )
-    engine = build_engine(model, engine_config_for([len(p) for p in prompts], params.max_tokens))
+    engine = build_engine(model, engine_config_for([len(p) for p in prompts], params.max_tokens,
+                                                   attention=args.attention or "auto"))
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * len(prompts))
     for text_in, r in zip(args.prompts, requests):
@@ -103,6 +110,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in ("host", "port", "metrics_port", "model", "dtype")
                  if getattr(args, name) is not None}
     cfg = dataclasses.replace(cfg, **overrides)
+    if args.attention is not None:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, attention=args.attention))
     dtype = cfg.dtype or _default_dtype()
 
     def load() -> tuple[Any, Any]:
@@ -156,7 +165,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     model = _load(args)
-    cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots)
+    cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
+                       attention=args.attention or "auto")
     result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg)
     if args.json:
         print(json.dumps(result))
@@ -180,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue one or more prompts")
     _add_model_args(gen)
+    _add_attention_arg(gen)
     sampling(gen)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -193,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="offline throughput and latency through the engine")
     _add_model_args(bench)
+    _add_attention_arg(bench)
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=64)
@@ -202,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) until SIGTERM")
     _add_model_args(serve)
+    _add_attention_arg(serve)
     serve.add_argument("--config", default=None, help="ServerConfig YAML, e.g. configs/serve.yaml (default: built-in)")
     serve.add_argument("--host", default=None, help="address to listen on (default from the config: 0.0.0.0)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default from the config: 50051)")

@@ -206,6 +206,7 @@ class EngineConfig:
     max_pages_per_slot: int = 64  # the longest sequence a slot can hold is page_size * this
     chunk_buckets: tuple[int, ...] = (16, 64, 256)  # prefill chunk sizes; the largest is the chunk limit
     prefill_rows: tuple[int, ...] = (1,)  # how many requests' chunks one prefill step may carry
+    attention: str = "auto"  # "auto", "reference" (XLA) or "pallas" (the platform's kernels; interpreted on CPU)
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
 
@@ -215,6 +216,8 @@ class EngineConfig:
                 raise JaxserveError(f"engine config {name} must be at least 1, got {getattr(self, name)}")
         if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)):
             raise JaxserveError(f"chunk_buckets must be strictly increasing and non-empty, got {self.chunk_buckets}")
+        if self.attention not in ("auto", "reference", "pallas"):
+            raise JaxserveError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
         if not self.prefill_rows or list(self.prefill_rows) != sorted(set(self.prefill_rows)) or self.prefill_rows[0] != 1:
             raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
         if self.num_pages < self.max_pages_per_slot:

@@ -54,13 +54,13 @@ class DeviceState(NamedTuple):
 
 
 def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
-            cfg: ModelConfig) -> tuple[jax.Array, DeviceState]:
+            cfg: ModelConfig, attention: str = "auto") -> tuple[jax.Array, DeviceState]:
     """One forward over a bucket plus sampling; returns one packed array [rows, 2 + 2 * NUM_TOP]."""
     fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
     first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
     tokens_in = inp["tokens"].at[:, 0].set(first)
     out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"], state.cache,
-                  logit_indices=inp["last"])
+                  logit_indices=inp["last"], attention=attention)
     logits = out.logits[:, 0]
     tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
     last_tokens = state.last_tokens.at[inp["slots"]].set(tokens, mode="drop")
@@ -89,7 +89,7 @@ class StepRunner:
                                  jnp.zeros(cfg.max_slots, jnp.int32))
         self.buckets = sorted({(r, 1) for r in cfg.decode_buckets} | set(cfg.prefill_buckets))
         self._compiled: dict[tuple[int, int], Any] = {}
-        jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config), donate_argnums=(1,))
+        jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config, attention=cfg.attention), donate_argnums=(1,))
         start = time.perf_counter()
         for bucket in self.buckets:
             example = StepInput.build([None] * bucket[0], bucket[1], cfg.max_pages_per_slot, cfg.max_slots)
@@ -112,7 +112,7 @@ def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
 
 
 def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int = 16, max_slots: int = 16,
-                      chunk_sizes: tuple[int, ...] = (16, 64, 256)) -> EngineConfig:
+                      chunk_sizes: tuple[int, ...] = (16, 64, 256), attention: str = "auto") -> EngineConfig:
     """An engine just big enough for a known set of prompts (CLI generate, benchmarks, tests)."""
     longest = max(prompt_lens) + max_tokens
     pages_per_slot = -(-longest // page_size)
@@ -120,4 +120,4 @@ def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int
     needed = max(prompt_lens)
     buckets = tuple(c for c in chunk_sizes if c < needed) + (next((c for c in chunk_sizes if c >= needed), chunk_sizes[-1]),)
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=buckets)
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=buckets, attention=attention)

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.model.attention import attend
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.weights import Layer, Weights
-from pallas_kernels.paged_attention import paged_attention_reference
 
 
 class ForwardOutput(NamedTuple):
@@ -63,8 +63,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def _layer(
-    cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-    write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, inv_freq: np.ndarray,
+    cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, valid: jax.Array, k_pages: jax.Array,
+    v_pages: jax.Array, write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, inv_freq: np.ndarray,
+    attention: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
@@ -78,7 +79,7 @@ def _layer(
         flat = (x.shape[0] * x.shape[1], *k.shape[2:])  # [tokens, kv_heads, head_dim]
         k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
         v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
-        attn = paged_attention_reference(q, k_pages, v_pages, page_table, positions)
+        attn = attend(q, k_pages, v_pages, page_table, positions, valid, backend=attention)
         b, t, n, hd = attn.shape  # one 2-D product: XLA then keeps wo in place instead of transposing it
         x = x + jnp.dot(attn.reshape(b * t, n * hd), w.wo.reshape(n * hd, -1)).reshape(b, t, -1)
     with jax.named_scope("mlp"):
@@ -99,6 +100,7 @@ def forward(
     *,
     logit_indices: jax.Array | None = None,  # [b]: compute logits only at this index of each row
     return_hidden: bool = False,
+    attention: str = "auto",  # "auto", "reference" or "pallas" (see jaxserve.model.attention)
 ) -> ForwardOutput:
     """Runs the decoder over `tokens`, writing their K/V into the pages of `cache` at `positions`.
 
@@ -116,7 +118,8 @@ def forward(
         if return_hidden:
             hidden.append(x)
         with jax.named_scope(f"layer_{i}"):
-            x, k_i, v_i = _layer(cfg, layer, x, positions, cache.k[i], cache.v[i], write_at, page_table, inv_freq)
+            x, k_i, v_i = _layer(cfg, layer, x, positions, valid, cache.k[i], cache.v[i], write_at, page_table,
+                                     inv_freq, attention)
         ks.append(k_i)
         vs.append(v_i)
     if logit_indices is not None:

@@ -1,17 +1,41 @@
-"""Pure-jnp paged attention: the numerical reference every backend is tested against.
+"""Pure-jnp paged attention.
 
-K/V pages are laid out head-major, `[kv_heads, num_pages, page_size, head_dim]`: one page of one
-KV head is a contiguous `[page_size, head_dim]` tile (what a kernel's bulk copy wants), and the
-gather of a row's pages lands directly in the `[kv_heads, batch, keys, head_dim]` order the two
-batched products use, so XLA moves each key once and transposes nothing large.
+`paged_attention` is the numerical reference of the decode kernels (same signature). The engine's
+XLA path, `paged_attention_reference`, serves mixed prefill and decode rows by query positions.
+
+Pages are head-major, `[kv_heads, num_pages, page_size, head_dim]`: one page of one KV head is a
+contiguous `[page_size, head_dim]` tile (what a kernel's bulk copy wants), and gathering a row's
+pages lands directly in the `[kv_heads, batch, keys, head_dim]` order that XLA's batched products
+use, so the XLA path moves each key once and transposes nothing large.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.flash_attention.reference import paged_flash_attention
+
+
+def paged_attention(
+    q: jax.Array,  # [batch, heads, head_dim]: one query token per slot
+    k_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    v_pages: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
+    page_table: jax.Array,  # [batch, pages_per_row] int32
+    lengths: jax.Array,  # [batch] int32: slot b attends to its first lengths[b] tokens
+    *,
+    sm_scale: float | None = None,
+    block_sizes: Any = None,
+    interpret: bool | None = None,
+) -> jax.Array:  # [batch, heads, head_dim]
+    """Decode attention of each slot's query over its pages; slots of length 0 return zeros."""
+    del block_sizes, interpret
+    out = paged_flash_attention(q[:, None], k_pages, v_pages, page_table, lengths - 1, lengths,
+                                causal=False, sm_scale=sm_scale)
+    return out[:, 0]
 
 
 def paged_attention_reference(
@@ -23,7 +47,8 @@ def paged_attention_reference(
     *,
     sm_scale: float | None = None,
 ) -> jax.Array:  # [batch, q_len, heads, head_dim]
-    """Causal grouped-query attention over paged K/V; the softmax runs in float32."""
+    """Causal grouped-query attention over paged K/V, query i seeing keys <= q_positions[i]; the
+    softmax runs in float32. The engine's attention on XLA (CPU, or `--attention reference`)."""
     b, t, h, hd = q.shape
     kv, _, page_size, _ = k_pages.shape
     if h % kv:

@@ -1,0 +1,35 @@
+"""The model's one attention call: paged K/V, any mix of prefill chunks and decode rows.
+
+`backend` picks the implementation (`pallas_kernels.backend`): "reference" is the pure-XLA path,
+"pallas" the platform's Pallas kernels (on CPU the Mosaic GPU kernels in interpret mode), and
+"auto" the kernels where they exist for the platform and XLA elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention import paged_flash_attention
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+FLASH_BLOCK_Q = 128  # the flash kernels tile queries by 128 positions; shorter chunks are padded
+
+
+def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, positions: jax.Array,
+           valid: jax.Array, *, backend: str = "auto") -> jax.Array:
+    """q [b, t, heads, hd] at `positions` [b, t] (the valid tokens of a row are consecutive from its first
+    position, and their K/V is already in the pages) -> [b, t, heads, hd]."""
+    if backend_lib.resolve(backend) == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
+    b, t = positions.shape
+    start = positions[:, 0]
+    if t == 1:  # decode: one query per slot
+        lengths = jnp.where(valid[:, 0], start + 1, 0)
+        return paged_attention(q[:, 0], k_pages, v_pages, page_table, lengths, backend=backend)[:, None]
+    padded = -(-t // FLASH_BLOCK_Q) * FLASH_BLOCK_Q
+    qp = jnp.pad(q, ((0, 0), (0, padded - t), (0, 0), (0, 0)))
+    kv_lengths = start + jnp.sum(valid, axis=1, dtype=jnp.int32)
+    out = paged_flash_attention(qp, k_pages, v_pages, page_table, start, kv_lengths, causal=True, backend=backend)
+    return out[:, :t]

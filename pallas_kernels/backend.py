@@ -1,0 +1,52 @@
+"""Backend selection for the kernels: which implementation runs, and whether it is interpreted.
+
+Backends: "reference" (pure jnp), "mosaic_gpu" (Hopper), "mosaic_tpu", "pallas" (the Pallas
+backend of the current platform; on CPU the Mosaic GPU kernels in interpret mode) and "auto"
+(Mosaic GPU on a GPU, the reference elsewhere; Mosaic TPU once its kernels are written).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+BACKENDS = ("auto", "pallas", "reference", "mosaic_gpu", "mosaic_tpu")
+
+
+def resolve(backend: str) -> str:
+    """Maps "auto" and "pallas" to a concrete backend for the default device's platform."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend not in ("auto", "pallas"):
+        return backend
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda"):
+        return "mosaic_gpu"
+    if platform == "tpu":
+        return "reference" if backend == "auto" else "mosaic_tpu"  # until the Mosaic TPU kernels exist
+    return "reference" if backend == "auto" else "mosaic_gpu"
+
+
+def interpret_params(backend: str, interpret: bool | None) -> Any:
+    """The `interpret=` argument for a Pallas call: None to compile, else the interpreter's params.
+
+    `interpret=None` interprets exactly when the platform cannot compile the backend (on CPU).
+    """
+    if interpret is None:
+        native = {"mosaic_gpu": ("gpu", "cuda"), "mosaic_tpu": ("tpu",)}[backend]
+        interpret = jax.default_backend() not in native
+    if not interpret:
+        return None
+    if backend == "mosaic_tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    # A private module: Mosaic GPU's interpreter is reached only through this one import.
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def not_written(backend: str) -> NotImplementedError:
+    return NotImplementedError(f"backend={backend!r}: the Mosaic TPU kernels are not written yet; use 'reference'")

@@ -1,0 +1,301 @@
+"""Flash attention for Hopper in Pallas Mosaic GPU: TMA copies, wgmma, a producer warpgroup.
+
+One program owns 128 query rows of one KV head's group: `heads_per_program` query heads times
+`128 // heads_per_program` positions, so each K/V block it loads serves the whole group. Two
+compute warpgroups take 64 rows each (the wgmma M); a third warpgroup only issues the TMA copies
+of K and V into a ring of `stages` shared-memory buffers. The softmax is online, in base 2, in
+float32. K/V come either from dense arrays or straight from KV pages through the page table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import backend as backend_lib
+
+ROWS = 64  # query rows per compute warpgroup: the wgmma M
+COMPUTE_WGS = 2
+_LOG2E = math.log2(math.e)
+_NEG = -1e30  # a finite -inf, so fully masked rows never compute inf - inf
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling of the Mosaic GPU flash kernel."""
+
+    block_k: int = 128  # keys per step (the wgmma N of Q·Kᵀ, the K of P·V)
+    stages: int = 3  # K/V buffers in the ring (3: best or within 0.5 % on the H100 sweep)
+    heads_per_program: int = 1  # query heads of one group per program; 128 // this = query positions
+
+    @property
+    def block_q(self) -> int:
+        return COMPUTE_WGS * ROWS // self.heads_per_program
+
+
+def mma_transforms(dtype: Any) -> tuple[Any, ...]:
+    swizzle = 128
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def mosaic_dtype(dtype: Any) -> Any:
+    """The tensor-core operand type: float32 inputs are rounded to bfloat16 (wgmma cannot transpose 32-bit K)."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+
+
+def with_layout(x: jax.Array, layout: Any, *, interpreted: bool) -> jax.Array:
+    """plgpu.layout_cast, which the interpreter does not know (it needs no layouts)."""
+    return x if interpreted else plgpu.layout_cast(x, layout)
+
+
+def mma_transposed(a_ref: Any, b_ref: Any, *, interpreted: bool) -> jax.Array:
+    """a_ref @ b_refᵀ in float32 by wgmma (the interpreter lacks transposed operands: it loads them)."""
+    if interpreted:
+        return lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def product(ref):
+        plgpu.wgmma(ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+        return ref[...]
+
+    return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))
+
+
+def mma_accumulate(acc: jax.Array, a: jax.Array, b_ref: Any, *, interpreted: bool) -> jax.Array:
+    """acc + a @ b_ref, with wgmma accumulating in place (the interpreter lacks register operands: it loads b)."""
+    if interpreted:
+        return acc + jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+
+    def accumulate(ref):
+        plgpu.wgmma(ref, a, b_ref)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
+            q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
+            *, paged: bool, causal: bool, scale: float, group: int, bs: BlockSizes, num_qt: int,
+            interpreted: bool):
+    # q_ref: [b, q_len, heads, hd]; k_ref, v_ref: [b, kv_len, kv_heads, hd] or [pages, kv_heads, ps, hd]
+    # table_ref: [b, pages_per_row]; q_start_ref, kv_len_ref: [b]; o_ref like q_ref
+    bk, stages, block_q, hpp = bs.block_k, bs.stages, bs.block_q, bs.heads_per_program
+    b = lax.axis_index("b")
+    kvh = lax.axis_index("kvh")
+    hg = lax.axis_index("hg")
+    qt = num_qt - 1 - lax.axis_index("qt")  # the longest causal rows first
+    wg = lax.axis_index("wg")
+    q0 = qt * block_q
+    q_start = q_start_ref[b]
+    kv_len = kv_len_ref[b]
+    hi = jnp.minimum(kv_len, q_start + q0 + block_q) if causal else kv_len
+    num_blocks = jnp.maximum(hi + bk - 1, 0) // bk
+    lo = jnp.minimum(kv_len, q_start + q0 + 1) if causal else kv_len
+    num_full = jnp.clip(lo // bk, 0, num_blocks)
+
+    seg = min(ROWS, block_q)  # rows of one (head, positions) run inside a warpgroup's 64
+
+    def segments(w):
+        for s in range(ROWS // seg):
+            row = w * ROWS + s * seg
+            head = kvh * group + hg * hpp + row // block_q
+            yield s, head, q0 + row % block_q
+
+    def fetch(src, dst, barrier, j):
+        if not paged:
+            plgpu.copy_gmem_to_smem(src.at[b, pl.ds(j * bk, bk), kvh], dst, barrier)
+            return
+        ps = src.shape[2]
+        last_entry, last_page = table_ref.shape[1] - 1, src.shape[1] - 1
+        if ps >= bk:
+            page = table_ref[b, jnp.minimum(j * bk // ps, last_entry)]
+            page = jnp.clip(page, 0, last_page)
+            plgpu.copy_gmem_to_smem(src.at[kvh, page, pl.ds(j * bk % ps, bk)], dst, barrier)
+        else:
+            for i in range(bk // ps):
+                page = jnp.clip(table_ref[b, jnp.minimum(j * (bk // ps) + i, last_entry)], 0, last_page)
+                plgpu.copy_gmem_to_smem(src.at[kvh, page], dst.at[pl.ds(i * ps, ps)], barrier)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def step(j, carry):
+            slot = lax.rem(j, stages)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+
+            fetch(k_ref, k_smem.at[slot], k_bar.at[slot], j)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+
+            fetch(v_ref, v_smem.at[slot], v_bar.at[slot], j)
+            return carry
+
+        lax.fori_loop(0, num_blocks, step, None)
+
+        def drain(j, carry):  # every completion of a barrier is awaited before the kernel ends
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            return carry
+
+        lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_tile = q_smem.at[wg]
+        for s, head, pos in segments(wg):
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(pos, seg), head], q_tile.at[pl.ds(s * seg, seg)], q_bar.at[wg])
+        wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
+        row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
+        row = wg * ROWS + wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 0))
+        col = wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
+        q_pos = q_start + q0 + lax.rem(row, block_q)
+        plgpu.barrier_wait(q_bar.at[wg])
+
+        def step(j, carry, *, masked: bool):
+            m, denom, acc = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            s = mma_transposed(q_tile, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                k_pos = j * bk + col
+                visible = k_pos < kv_len
+                if causal:
+                    visible = visible & (k_pos <= q_pos)
+                s = jnp.where(visible, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            denom = denom * alpha + jnp.sum(p, axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return m_new, denom, acc
+
+        hd = q_smem.shape[-1]
+        m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
+        denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
+        acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
+        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
+        m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+        denom = jnp.where(denom == 0.0, 1.0, denom)
+        out = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
+        q_tile[...] = out.astype(q_tile.dtype)
+        plgpu.commit_smem()
+        for s, head, pos in segments(wg):
+            plgpu.copy_smem_to_gmem(q_tile.at[pl.ds(s * seg, seg)], o_ref.at[b, pl.ds(pos, seg), head])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _check(q, k_shape, bs: BlockSizes, kv_len_name: str):
+    b, t, h, hd = q.shape
+    kv = k_shape[0] if kv_len_name == "pages" else k_shape[2]
+    group = h // kv
+    if group % bs.heads_per_program:
+        raise ValueError(f"heads_per_program={bs.heads_per_program} must divide the GQA group {h}//{kv}={group}")
+    if bs.block_q < 16:
+        raise ValueError(f"heads_per_program={bs.heads_per_program} leaves block_q={bs.block_q} < 16")
+    if t % bs.block_q:
+        raise ValueError(f"q_len={t} must be a multiple of block_q={bs.block_q} (128 // heads_per_program)")
+    if hd % 64 or hd > 256:
+        raise ValueError(f"head_dim={hd} must be a multiple of 64 and at most 256 for Mosaic GPU")
+    if bs.block_k % 64:
+        raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
+    return b, t, h, hd, kv, group
+
+
+def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, bs: BlockSizes, interpret):
+    b, t, h, hd, kv, group = _check(q, k.shape, bs, "pages" if paged else "dense")
+    dtype = mosaic_dtype(q.dtype)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
+    num_qt = t // bs.block_q
+    nseg = ROWS // min(ROWS, bs.block_q)
+    if paged:
+        ps = k.shape[2]
+        if ps % 8 or (ps < bs.block_k and bs.block_k % ps) or (ps > bs.block_k and ps % bs.block_k):
+            raise ValueError(f"page_size={ps} and block_k={bs.block_k} must divide one another (and page_size % 8 == 0)")
+        copies = max(1, bs.block_k // ps)
+    else:
+        copies = 1
+    tr = mma_transforms(dtype)
+    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, paged=paged, causal=causal, scale=scale, group=group, bs=bs, num_qt=num_qt,
+                          interpreted=params is not None),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=(
+            plgpu.SMEM((COMPUTE_WGS, ROWS, hd), dtype, transforms=tr),
+            plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
+            plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
+            plgpu.Barrier(num_arrivals=nseg, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),
+            plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=bs.stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=bs.stages),
+        ),
+        grid=(b, kv, group // bs.heads_per_program, num_qt),
+        grid_names=("b", "kvh", "hg", "qt"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=params,
+    )
+    return kernel(q, k, v, table, q_start, kv_len)
+
+
+def default_block_sizes(group: int, q_len: int) -> BlockSizes:
+    """Heads of one group share a program when the chunk is short or the group is wide."""
+    hpp = 1
+    while hpp * 2 <= group and group % (hpp * 2) == 0 and (q_len % (128 // hpp) or hpp < 2):
+        hpp *= 2
+    while q_len % (128 // hpp) and hpp * 2 <= min(group, 8) and group % (hpp * 2) == 0:
+        hpp *= 2
+    return BlockSizes(heads_per_program=hpp)
+
+
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+    """Dense flash attention (see reference.flash_attention); q_len and kv_len tile by the blocks."""
+    b, t, h, _ = q.shape
+    s = k.shape[1]
+    bs = block_sizes or default_block_sizes(h // k.shape[2], t)
+    if s % bs.block_k:
+        raise ValueError(f"kv_len={s} must be a multiple of block_k={bs.block_k}")
+    q_start = jnp.full((b,), s - t if causal else 0, jnp.int32)
+    kv_len = jnp.full((b,), s, jnp.int32)
+    table = jnp.zeros((b, 1), jnp.int32)
+    out = _call(q, k, v, table, q_start, kv_len, paged=False, causal=causal, sm_scale=sm_scale, bs=bs,
+                interpret=interpret)
+    return out.astype(q.dtype)
+
+
+def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, *, causal: bool = True,
+                          sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
+                          interpret: bool | None = None) -> jax.Array:
+    """Prefill chunk over K/V pages (see reference.paged_flash_attention), read page by page by TMA."""
+    h = q.shape[2]
+    bs = block_sizes or default_block_sizes(h // k_pages.shape[0], q.shape[1])
+    ps = k_pages.shape[2]
+    if block_sizes is None and ps > bs.block_k:
+        bs = dataclasses.replace(bs, block_k=math.gcd(ps, 128) if ps % 128 else 128)
+    out = _call(q, k_pages, v_pages, page_table.astype(jnp.int32), q_start.astype(jnp.int32),
+                kv_lengths.astype(jnp.int32), paged=True, causal=causal, sm_scale=sm_scale, bs=bs, interpret=interpret)
+    return out.astype(q.dtype)

@@ -1,0 +1,232 @@
+"""Paged decode attention for Hopper in Pallas Mosaic GPU: TMA page copies in a ring, wgmma.
+
+One program owns one slot's KV head (the whole query group: K/V are read once per group) and one
+split of its sequence. A producer warpgroup copies the pages of each `block_k`-token block into a
+ring of `stages` buffers; the compute warpgroup runs Q·Kᵀ and P·V on the tensor cores with the
+group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes; groups
+narrower than 8 are padded to 8 rows in HBM first, as TMA into 8-row tiles needs aligned starts).
+With several splits, each writes a float32 partial and its log-sum-exp, combined afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention.mosaic_gpu import (
+    ROWS,
+    mma_accumulate,
+    mma_transforms,
+    mma_transposed,
+    mosaic_dtype,
+    with_layout,
+)
+
+_LOG2E = math.log2(math.e)
+_NEG = -1e30
+NUM_SMS = 132  # H100 SXM; only sets how finely short batches are split
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling of the Mosaic GPU decode kernel."""
+
+    block_k: int = 128  # tokens per pipeline step (best on the H100 sweep at batch >= 32)
+    stages: int = 2  # K/V buffers in the ring
+    num_splits: int | None = None  # sequence splits per slot; None picks enough to fill the chip
+
+
+def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
+    programs = batch * kv_heads
+    if programs >= NUM_SMS:
+        return 1
+    return max(1, min(-(-2 * NUM_SMS // programs), max_len // (4 * block_k)))
+
+
+def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
+            split_len: int, bs: BlockSizes, partial: bool, interpreted: bool):
+    # q_ref: [b * kv_heads * rows, hd] the queries, each group padded to rows; k_ref, v_ref: [pages, kv_heads, ps, hd]
+    # table_ref: [b, pages_per_row]; len_ref: [b]
+    # outputs: o [b, kv_heads, rows, hd] or (o [b, kv_heads, splits, rows, hd] f32, lse [b, kv_heads, splits, 64] f32)
+    # rows: the group padded to 8; row r of a group holds query head kvh * group + r for r < group
+    if partial:
+        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
+    else:
+        o_ref, q_smem, k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
+    bk, stages = bs.block_k, bs.stages
+    b = lax.axis_index("b")
+    kvh = lax.axis_index("kvh")
+    split = lax.axis_index("split")
+    wg = lax.axis_index("wg")
+    row0 = pl.multiple_of((b * k_ref.shape[0] + kvh) * rows, 8)  # TMA into 8-row tiles needs aligned rows
+    begin = split * split_len
+    length = len_ref[b]
+    end = jnp.minimum(length, begin + split_len)
+    num_blocks = jnp.maximum(end - begin + bk - 1, 0) // bk
+    num_full = jnp.maximum(end - begin, 0) // bk
+    ps = k_ref.shape[2]
+    last_entry, last_page = table_ref.shape[1] - 1, k_ref.shape[1] - 1
+
+    def fetch(src, dst, barrier, j):
+        pos = begin + j * bk
+        if ps >= bk:
+            page = jnp.clip(table_ref[b, jnp.minimum(pos // ps, last_entry)], 0, last_page)
+            plgpu.copy_gmem_to_smem(src.at[kvh, page, pl.ds(pos % ps, bk)], dst, barrier)
+        else:
+            for i in range(bk // ps):
+                page = jnp.clip(table_ref[b, jnp.minimum(pos // ps + i, last_entry)], 0, last_page)
+                plgpu.copy_gmem_to_smem(src.at[kvh, page], dst.at[pl.ds(i * ps, ps)], barrier)
+
+    @pl.when(wg == 1)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def step(j, carry):
+            slot = lax.rem(j, stages)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+            fetch(k_ref, k_smem.at[slot], k_bar.at[slot], j)
+            fetch(v_ref, v_smem.at[slot], v_bar.at[slot], j)
+            return carry
+
+        lax.fori_loop(0, num_blocks, step, None)
+
+        def drain(j, carry):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            return carry
+
+        lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_smem.at[pl.ds(0, rows)], q_bar)
+        wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
+        row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
+        col = wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
+        plgpu.barrier_wait(q_bar)
+
+        def step(j, carry, *, masked: bool):
+            m, denom, acc = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+            s = mma_transposed(q_smem, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                s = jnp.where(begin + j * bk + col < length, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            denom = denom * alpha + jnp.sum(p, axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+            acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return m_new, denom, acc
+
+        hd = q_smem.shape[-1]
+        m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
+        denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
+        acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
+        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
+        m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+        out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [0])
+        o_smem[...] = out.astype(o_smem.dtype)
+        if partial:
+            lse_smem[...] = m + jnp.log2(denom)
+        plgpu.commit_smem()
+        if partial:
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, kvh, split])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, kvh])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float | None = None,
+                    block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+    """Decode attention over pages (see reference.paged_attention), pages read by TMA, never gathered."""
+    bs = block_sizes or BlockSizes()
+    b, h, hd = q.shape
+    kv, _, ps, _ = k_pages.shape
+    group = h // kv
+    pages_per_row = page_table.shape[1]
+    if hd % 64 or hd > 256:
+        raise ValueError(f"head_dim={hd} must be a multiple of 64 and at most 256 for Mosaic GPU")
+    if group > 32:
+        raise ValueError(f"the GQA group heads//kv_heads={group} must be at most 32 for Mosaic GPU")
+    if ps % 8 or (ps < bs.block_k and bs.block_k % ps) or (ps > bs.block_k and ps % bs.block_k):
+        raise ValueError(f"page_size={ps} and block_k={bs.block_k} must divide one another (and page_size % 8 == 0)")
+    if bs.block_k % 64:
+        raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
+    dtype = mosaic_dtype(q.dtype)
+    max_len = pages_per_row * ps
+    splits = bs.num_splits or default_splits(b, kv, max_len, bs.block_k)
+    split_len = -(-max_len // splits)
+    split_len = -(-split_len // bs.block_k) * bs.block_k
+    splits = -(-max_len // split_len)
+    rows = -(-group // 8) * 8
+    q_rows = q.astype(dtype).reshape(b, kv, group, hd)
+    if rows > group:  # one small copy: TMA into the tiled (8-row) operand needs 8-aligned group starts
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    q_rows = q_rows.reshape(b * kv * rows, hd)
+    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+    partial = splits > 1
+    tr = mma_transforms(dtype)
+    barriers = (
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=max(1, bs.block_k // ps), num_barriers=bs.stages),
+        plgpu.Barrier(num_arrivals=max(1, bs.block_k // ps), num_barriers=bs.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
+    )
+    smem = (
+        plgpu.SMEM((ROWS, hd), dtype, transforms=tr),
+        plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
+        plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
+        plgpu.SMEM((ROWS, hd), jnp.float32 if partial else dtype),
+    )
+    if partial:
+        out_type = (jax.ShapeDtypeStruct((b, kv, splits, rows, hd), jnp.float32),
+                    jax.ShapeDtypeStruct((b, kv, splits, ROWS), jnp.float32))
+        smem = (*smem, plgpu.SMEM((ROWS,), jnp.float32))
+    else:
+        out_type = jax.ShapeDtypeStruct((b, kv, rows, hd), dtype)
+    scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, bs=bs,
+                          partial=partial, interpreted=params is not None),
+        out_type=out_type,
+        scratch_types=(*smem, *barriers),
+        grid=(b, kv, splits),
+        grid_names=("b", "kvh", "split"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=params,
+    )
+    k_pages, v_pages = k_pages.astype(dtype), v_pages.astype(dtype)
+    out = kernel(q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    if not partial:
+        return out[:, :, :group].reshape(b, h, hd).astype(q.dtype)
+    o_part, lse_part = out
+    lse = lse_part[..., :group]  # [b, kv, splits, group]
+    top = jnp.max(lse, axis=2, keepdims=True)
+    w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(w, axis=2)
+    o = jnp.sum(w[..., None] * o_part[:, :, :, :group], axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+    return o.reshape(b, h, hd).astype(q.dtype)

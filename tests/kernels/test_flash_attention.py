@@ -1,0 +1,126 @@
+"""One flash-attention suite, run by every backend: reference, Mosaic GPU and Mosaic TPU interpreted on
+CPU, and Mosaic GPU compiled on a Hopper GPU (marked gpu)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import testing
+from pallas_kernels.flash_attention import flash_attention, paged_flash_attention
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+FULL = [(d, hd, g, c) for d, hd, g, c in itertools.product(DTYPES, (64, 128), (1, 4, 8), (True, False))]
+PAGE_SIZE = 16
+
+
+class FlashSuite:
+    backend = "reference"
+    interpret: bool | None = None
+    kv_heads = 2
+    batch = 2
+    CASES = FULL
+
+    def block_sizes(self, group: int):
+        return None
+
+    def q_len(self, group: int) -> int:
+        return 128
+
+    def test_dense(self, case):
+        dtype, hd, group, causal = case
+        rng = np.random.default_rng(hash(case) % 2**32)
+        t, s = self.q_len(group), 256
+        q = testing.random_normal(rng, (self.batch, t, group * self.kv_heads, hd), DTYPES[dtype])
+        k = testing.random_normal(rng, (self.batch, s, self.kv_heads, hd), DTYPES[dtype])
+        v = testing.random_normal(rng, (self.batch, s, self.kv_heads, hd), DTYPES[dtype])
+        out = flash_attention(q, k, v, causal=causal, backend=self.backend, interpret=self.interpret,
+                              block_sizes=self.block_sizes(group))
+        q_start = np.full(self.batch, s - t if causal else 0)
+        truth = testing.attention_truth(q, k, v, q_start, np.full(self.batch, s), causal=causal)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, dtype)
+
+    def test_paged_chunk(self, case):
+        """Rows of lengths 1, page_size + 1 and full; the full row's chunk follows 32 earlier tokens in pages."""
+        dtype, hd, group, causal = case
+        rng = np.random.default_rng(hash(case) % 2**32 + 1)
+        t = self.q_len(group)
+        pages_per_row = -(-(t + 32) // PAGE_SIZE)
+        full = pages_per_row * PAGE_SIZE
+        lengths = np.array([1, PAGE_SIZE + 1, full], np.int32)
+        q_start = np.array([0, 0, full - t], np.int32)
+        num_pages = 3 * pages_per_row + 5
+        q = testing.random_normal(rng, (3, t, group * self.kv_heads, hd), DTYPES[dtype])
+        kp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
+        vp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
+        table = testing.random_page_table(rng, 3, pages_per_row, num_pages)
+        out = paged_flash_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(q_start), jnp.asarray(lengths),
+                                    causal=causal, backend=self.backend, interpret=self.interpret,
+                                    block_sizes=self.block_sizes(group))
+        k = testing.dense_from_pages(np.asarray(kp.astype(jnp.float32)), table)
+        v = testing.dense_from_pages(np.asarray(vp.astype(jnp.float32)), table)
+        truth = testing.attention_truth(q.astype(jnp.float32), k, v, q_start, lengths, causal=causal)
+        assert out.shape == q.shape
+        assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, dtype)
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend
+
+
+class TestReference(FlashSuite):
+    def test_shape_errors_name_the_values(self):
+        q = jnp.zeros((1, 8, 6, 64))
+        k = jnp.zeros((1, 8, 4, 64))
+        with pytest.raises(ValueError, match="heads=6 must be a multiple of kv_heads=4"):
+            flash_attention(q, k, k)
+        with pytest.raises(ValueError, match="q_len=16"):
+            flash_attention(jnp.zeros((1, 16, 4, 64)), k, k, causal=True)
+
+    def test_sm_scale_is_used(self):
+        rng = np.random.default_rng(0)
+        q, k, v = (testing.random_normal(rng, (1, 8, 2, 64), jnp.float32) for _ in range(3))
+        out = flash_attention(q, k, v, causal=True, sm_scale=0.3)
+        truth = testing.attention_truth(q, k, v, np.zeros(1, int), np.full(1, 8), causal=True, sm_scale=0.3)
+        assert testing.relative_error(out, truth) < 1e-5
+
+
+class InterpretSuite(FlashSuite):
+    """Interpret mode is slow: one program per row, a covering handful of cases."""
+
+    interpret = True
+    kv_heads = 1
+    batch = 1
+    CASES = [("bfloat16", 64, 1, True), ("float32", 128, 4, False), ("bfloat16", 128, 8, True)]
+
+    def q_len(self, group: int) -> int:
+        return 128 // group
+
+
+class TestMosaicGPUInterpret(InterpretSuite):
+    backend = "mosaic_gpu"
+
+    def block_sizes(self, group: int):
+        from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes
+
+        return BlockSizes(heads_per_program=group)
+
+
+@pytest.mark.skip(reason="the Mosaic TPU kernels are not written yet (issue 5, left undone)")
+class TestMosaicTPUInterpret(InterpretSuite):
+    backend = "mosaic_tpu"
+
+    def block_sizes(self, group: int):
+        from pallas_kernels.flash_attention.mosaic_tpu import BlockSizes
+
+        return BlockSizes(block_q=self.q_len(group))
+
+
+@pytest.mark.gpu
+class TestMosaicGPU(FlashSuite):
+    backend = "mosaic_gpu"
+    interpret = False
