@@ -15,11 +15,16 @@ from jaxserve.step import build_engine
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,
                  page_size: int = 16, chunk_buckets: tuple[int, ...] = (32, 128, 256),
                  prefill_rows: tuple[int, ...] = (1, 2, 8), attention: str = "auto") -> EngineConfig:
+    """Slots and pages for the load; decode steps attend over page tables of 1, 2, 4, ... pages."""
     slots = max_slots or min(num_requests, 64)
     pages_per_slot = -(-(input_len + output_len) // page_size)
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
                         max_pages_per_slot=pages_per_slot, chunk_buckets=chunk_buckets, prefill_rows=prefill_rows,
-                        attention=attention)
+                        attention=attention, decode_page_buckets=_powers_of_two_below(pages_per_slot))
+
+
+def _powers_of_two_below(n: int) -> tuple[int, ...]:
+    return tuple(1 << i for i in range(n.bit_length()) if 1 << i < n)
 
 
 def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len: int,

@@ -207,6 +207,9 @@ class EngineConfig:
     chunk_buckets: tuple[int, ...] = (16, 64, 256)  # prefill chunk sizes; the largest is the chunk limit
     prefill_rows: tuple[int, ...] = (1,)  # how many requests' chunks one prefill step may carry
     attention: str = "auto"  # "auto", "reference" (XLA) or "pallas" (the platform's kernels; interpreted on CPU)
+    # Page-table widths of the compiled decode steps: a decode step attends over the smallest width
+    # that holds its longest row, not over max_pages_per_slot. Empty: max_pages_per_slot only.
+    decode_page_buckets: tuple[int, ...] = ()
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
 
@@ -218,6 +221,9 @@ class EngineConfig:
             raise JaxserveError(f"chunk_buckets must be strictly increasing and non-empty, got {self.chunk_buckets}")
         if self.attention not in ("auto", "reference", "pallas"):
             raise JaxserveError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
+        if any(not 0 < p <= self.max_pages_per_slot for p in self.decode_page_buckets):
+            raise JaxserveError(f"decode_page_buckets={self.decode_page_buckets} must lie in [1, max_pages_per_slot="
+                                f"{self.max_pages_per_slot}]")
         if not self.prefill_rows or list(self.prefill_rows) != sorted(set(self.prefill_rows)) or self.prefill_rows[0] != 1:
             raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
         if self.num_pages < self.max_pages_per_slot:
@@ -249,6 +255,14 @@ class EngineConfig:
 
     def max_prefill_rows(self, width: int) -> int:
         return max(r for r, c in self.prefill_buckets if c == width)
+
+    @property
+    def decode_page_widths(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.decode_page_buckets) | {self.max_pages_per_slot}))
+
+    def decode_pages_for(self, pages: int) -> int:
+        """The smallest decode page-table width that holds `pages` pages."""
+        return next(p for p in self.decode_page_widths if p >= pages)
 
     def decode_rows_for(self, slots: int) -> int:
         """The smallest decode bucket that covers slots [0, slots)."""

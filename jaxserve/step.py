@@ -1,7 +1,8 @@
 """The jit boundary: one step function, compiled ahead of time for a fixed list of shape buckets.
 
-Buckets are (rows, width): (r, 1) for decode over the first r slots, for each r in
-`decode_buckets`, and (r, c) for prefill chunks of width c from r requests (`prefill_buckets`).
+Buckets are (rows, width, pages): (r, 1, p) for decode over the first r slots, for each r in
+`decode_buckets`, with page tables p pages wide (`decode_page_widths`), and (r, c, max pages) for
+prefill chunks of width c from r requests (`prefill_buckets`).
 All are compiled at start; a step of any other shape raises instead of compiling. The KV cache
 is donated, so XLA updates its pages in place.
 """
@@ -87,12 +88,14 @@ class StepRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.state = DeviceState(KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype),
                                  jnp.zeros(cfg.max_slots, jnp.int32))
-        self.buckets = sorted({(r, 1) for r in cfg.decode_buckets} | set(cfg.prefill_buckets))
-        self._compiled: dict[tuple[int, int], Any] = {}
+        full = cfg.max_pages_per_slot
+        self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
+                              | {(r, c, full) for r, c in cfg.prefill_buckets})
+        self._compiled: dict[tuple[int, int, int], Any] = {}
         jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config, attention=cfg.attention), donate_argnums=(1,))
         start = time.perf_counter()
         for bucket in self.buckets:
-            example = StepInput.build([None] * bucket[0], bucket[1], cfg.max_pages_per_slot, cfg.max_slots)
+            example = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
             self._compiled[bucket] = jitted.lower(self.weights, self.state, vars(example)).compile()
         log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
 

@@ -38,8 +38,13 @@ def test_64_requests_through_a_small_pool_match_running_alone(smollm, alone_engi
         params[i] = SamplingParams(max_tokens=params[i].max_tokens, ignore_eos=True, stop_token_ids=(stop,))
         expected[i] = alone[i][:alone[i].index(stop) + 1]
     crowded = build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
-                                                chunk_buckets=(16, 64), prefill_rows=(1, 4)))
+                                                chunk_buckets=(16, 64), prefill_rows=(1, 4), decode_page_buckets=(1, 2)))
+    shapes = []
+    dispatch = crowded.runner.dispatch
+    crowded.runner.dispatch = lambda inp: (shapes.append(inp.shape), dispatch(inp))[1]  # type: ignore[method-assign]
     together = crowded.generate(prompts, params)
+    assert {s[2] for s in shapes if s[1] == 1} >= {2, 5}  # decode steps over narrow page tables too
+    assert {s[0] for s in shapes if s[1] > 1} == {1, 4}  # prefill steps of one and of four prompts
     assert crowded.scheduler.num_preemptions > 0
     assert [r.output_ids for r in together] == expected
     assert [r.finish_reason for r in together] == [
@@ -85,7 +90,7 @@ def test_long_prompt_never_stalls_decoding_streams(smollm):
 
 def test_no_compilation_after_warm_up(smollm):
     engine = build_engine(smollm, EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=16,
-                                               chunk_buckets=(16, 64)))
+                                               chunk_buckets=(16, 64), decode_page_buckets=(4,)))
     engine.generate(random_prompts(2, 3, 5), [SamplingParams(max_tokens=2)] * 2)
     before = compilation_count()
     rng = random.Random(3)

@@ -30,8 +30,9 @@ class StepInput:
     want_top: np.ndarray  # [rows] bool: the request asked for top log-probabilities
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.tokens.shape  # type: ignore[return-value]
+    def shape(self) -> tuple[int, int, int]:
+        """(rows, width, pages per row): the compiled bucket this input needs."""
+        return (*self.tokens.shape, self.page_table.shape[1])  # type: ignore[return-value]
 
     @staticmethod
     def build(rows: list[Chunk | None], width: int, pages_per_slot: int, max_slots: int) -> StepInput:

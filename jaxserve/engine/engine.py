@@ -220,20 +220,22 @@ class Engine:
         if plan.prefill:
             chunks: list[Chunk | None] = list(plan.prefill)
             chunks += [None] * (self.cfg.prefill_rows_for(plan.prefill_width, len(chunks)) - len(chunks))
-            dispatched.append(self._dispatch(chunks, plan.prefill_width))
+            dispatched.append(self._dispatch(chunks, plan.prefill_width, self.cfg.max_pages_per_slot))
             self.stats.prefill_steps += 1
         if plan.decode:
             rows: list[Chunk | None] = [None] * self.cfg.decode_rows_for(max(c.request.slot or 0 for c in plan.decode) + 1)
             for chunk in plan.decode:
                 assert chunk.request.slot is not None
                 rows[chunk.request.slot] = chunk
-            dispatched.append(self._dispatch(rows, 1))
+            pages = self.cfg.decode_pages_for(max(len(c.request.pages) for c in plan.decode))
+            dispatched.append(self._dispatch(rows, 1, pages))
             self.stats.decode_steps += 1
             self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
         return dispatched
 
-    def _dispatch(self, rows: list[Chunk | None], width: int) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
-        return rows, self.runner.dispatch(StepInput.build(rows, width, self.cfg.max_pages_per_slot, self.cfg.max_slots))
+    def _dispatch(self, rows: list[Chunk | None], width: int,
+                  pages: int) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
+        return rows, self.runner.dispatch(StepInput.build(rows, width, pages, self.cfg.max_slots))
 
     def _complete(self, dispatched: Dispatched) -> None:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""
