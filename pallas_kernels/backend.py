@@ -50,3 +50,13 @@ def interpret_params(backend: str, interpret: bool | None) -> Any:
 
 def not_written(backend: str) -> NotImplementedError:
     return NotImplementedError(f"backend={backend!r}: the Mosaic TPU kernels are not written yet; use 'reference'")
+
+
+def implementation(package: str, backend: str) -> Any:
+    """The module of `package` (e.g. "pallas_kernels.paged_attention") that implements `backend`."""
+    import importlib
+
+    name = resolve(backend)
+    if name == "mosaic_tpu":
+        raise not_written(name)
+    return importlib.import_module(f"{package}.{'mosaic_gpu' if name == 'mosaic_gpu' else 'reference'}")

@@ -12,18 +12,10 @@ from typing import Any
 import jax
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels.flash_attention import reference
 
 
 def _impl(backend: str) -> Any:
-    name = backend_lib.resolve(backend)
-    if name == "mosaic_gpu":
-        from pallas_kernels.flash_attention import mosaic_gpu as module
-    elif name == "mosaic_tpu":
-        raise backend_lib.not_written(name)
-    else:
-        module = reference
-    return module
+    return backend_lib.implementation(__name__, backend)
 
 
 def _check_q(q: jax.Array, kv_heads: int, head_dim: int) -> None:

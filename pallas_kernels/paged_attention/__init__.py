@@ -10,7 +10,6 @@ from typing import Any
 import jax
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
 
@@ -32,13 +31,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         raise ValueError(f"page_table.shape={page_table.shape} must be [batch={b}, pages_per_row]")
     if lengths.shape != (b,):
         raise ValueError(f"lengths.shape={lengths.shape} must be ({b},)")
-    name = backend_lib.resolve(backend)
-    if name == "mosaic_gpu":
-        from pallas_kernels.paged_attention import mosaic_gpu as module
-    elif name == "mosaic_tpu":
-        raise backend_lib.not_written(name)
-    else:
-        module = reference
+    module = backend_lib.implementation(__name__, backend)
     return module.paged_attention(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
                                   block_sizes=block_sizes, interpret=interpret)
 
