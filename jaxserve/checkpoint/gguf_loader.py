@@ -57,12 +57,12 @@ def read_gguf(path: str, dtype: Any = np.float32) -> tuple[ModelConfig, Weights,
     h, kv, hd, d = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
 
     def qk(heads: int) -> Callable[[np.ndarray], np.ndarray]:
-        # [heads*hd, d] rows -> [d, heads, hd], undoing the converter's interleaved-rope row order.
+        # [heads*hd, d] rows -> [heads, hd, d], undoing the converter's interleaved-rope row order.
         def f(w: np.ndarray) -> np.ndarray:
             w = w.reshape(heads, hd, -1)
             if unpermute:
                 w = w.reshape(heads, hd // 2, 2, -1).swapaxes(1, 2).reshape(heads, hd, -1)
-            return w.transpose(2, 0, 1)
+            return w
         return f
 
     def bias(heads: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -79,22 +79,22 @@ def read_gguf(path: str, dtype: Any = np.float32) -> tuple[ModelConfig, Weights,
             attn_norm=get(p + "attn_norm.weight"),
             wq=get(p + "attn_q.weight", qk(h)),
             wk=get(p + "attn_k.weight", qk(kv)),
-            wv=get(p + "attn_v.weight", lambda w: w.reshape(kv, hd, d).transpose(2, 0, 1)),
-            wo=get(p + "attn_output.weight", lambda w: w.T.reshape(h, hd, d)),
+            wv=get(p + "attn_v.weight", lambda w: w.reshape(kv, hd, d)),
+            wo=get(p + "attn_output.weight", lambda w: w.reshape(d, h, hd)),
             bq=optional(p + "attn_q.bias", bias(h)),
             bk=optional(p + "attn_k.bias", bias(kv)),
             bv=optional(p + "attn_v.bias", lambda b: b.reshape(kv, hd)),
             mlp_norm=get(p + "ffn_norm.weight"),
-            w_gate=get(p + "ffn_gate.weight", np.transpose),
-            w_up=get(p + "ffn_up.weight", np.transpose),
-            w_down=get(p + "ffn_down.weight", np.transpose),
+            w_gate=get(p + "ffn_gate.weight"),
+            w_up=get(p + "ffn_up.weight"),
+            w_down=get(p + "ffn_down.weight"),
         )
 
     weights = Weights(
         embed=get("token_embd.weight"),
         layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=get("output_norm.weight"),
-        lm_head=None if config.tie_word_embeddings else get("output.weight", np.transpose),
+        lm_head=None if config.tie_word_embeddings else get("output.weight"),
     )
     return config, weights, tokenizer_from_gguf(meta, path)
 

@@ -57,17 +57,17 @@ def read_hf_dir(directory: str, dtype: Any = np.float32) -> tuple[ModelConfig, W
         bias = config.attention_bias
         return Layer(
             attn_norm=cast(get(p + "input_layernorm.weight")),
-            wq=cast(get(p + "self_attn.q_proj.weight").T.reshape(d, h, hd)),
-            wk=cast(get(p + "self_attn.k_proj.weight").T.reshape(d, kv, hd)),
-            wv=cast(get(p + "self_attn.v_proj.weight").T.reshape(d, kv, hd)),
-            wo=cast(get(p + "self_attn.o_proj.weight").T.reshape(h, hd, d)),
+            wq=cast(get(p + "self_attn.q_proj.weight").reshape(h, hd, d)),
+            wk=cast(get(p + "self_attn.k_proj.weight").reshape(kv, hd, d)),
+            wv=cast(get(p + "self_attn.v_proj.weight").reshape(kv, hd, d)),
+            wo=cast(get(p + "self_attn.o_proj.weight").reshape(d, h, hd)),
             bq=cast(get(p + "self_attn.q_proj.bias").reshape(h, hd)) if bias else None,
             bk=cast(get(p + "self_attn.k_proj.bias").reshape(kv, hd)) if bias else None,
             bv=cast(get(p + "self_attn.v_proj.bias").reshape(kv, hd)) if bias else None,
             mlp_norm=cast(get(p + "post_attention_layernorm.weight")),
-            w_gate=cast(get(p + "mlp.gate_proj.weight").T),
-            w_up=cast(get(p + "mlp.up_proj.weight").T),
-            w_down=cast(get(p + "mlp.down_proj.weight").T),
+            w_gate=cast(get(p + "mlp.gate_proj.weight")),
+            w_up=cast(get(p + "mlp.up_proj.weight")),
+            w_down=cast(get(p + "mlp.down_proj.weight")),
         )
 
     tied = config.tie_word_embeddings or "lm_head.weight" not in handles
@@ -77,6 +77,6 @@ def read_hf_dir(directory: str, dtype: Any = np.float32) -> tuple[ModelConfig, W
         embed=cast(get("model.embed_tokens.weight")),
         layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=cast(get("model.norm.weight")),
-        lm_head=None if tied else cast(get("lm_head.weight").T),
+        lm_head=None if tied else cast(get("lm_head.weight")),
     )
     return config, weights, tokenizer_from_hf_dir(directory)

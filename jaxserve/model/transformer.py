@@ -8,7 +8,8 @@ latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,22 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return gain * normed.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, in_axes: int = 1, preferred_element_type: Any = None) -> jax.Array:
+    """x [..., in...] times a weight stored [out..., in...] (its last `in_axes` axes are the input).
+
+    On CPU, a product over few tokens puts the weight on the left (w @ x.T): XLA's CPU matmul is
+    then about 1.5-2x cheaper for 8-32 tokens than with the activations on the left.
+    """
+    k = math.prod(w.shape[w.ndim - in_axes:])
+    lead, out = x.shape[:x.ndim - in_axes], w.shape[:w.ndim - in_axes]
+    x2, w2 = x.reshape(-1, k), w.reshape(-1, k)
+    if x2.shape[0] <= 64 and jax.default_backend() == "cpu":
+        y = jnp.dot(w2, x2.T, preferred_element_type=preferred_element_type).T
+    else:
+        y = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
+    return y.reshape(*lead, *out)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -69,9 +86,7 @@ def _layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dnh->btnh", h, w.wq)
-        k = jnp.einsum("btd,dnh->btnh", h, w.wk)
-        v = jnp.einsum("btd,dnh->btnh", h, w.wv)
+        q, k, v = linear(h, w.wq), linear(h, w.wk), linear(h, w.wv)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -80,12 +95,10 @@ def _layer(
         k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
         v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
         attn = attend(q, k_pages, v_pages, page_table, positions, valid, backend=attention)
-        b, t, n, hd = attn.shape  # one 2-D product: XLA then keeps wo in place instead of transposing it
-        x = x + jnp.dot(attn.reshape(b * t, n * hd), w.wo.reshape(n * hd, -1)).reshape(b, t, -1)
+        x = x + linear(attn, w.wo, in_axes=2)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, w.w_gate))
-        x = x + jnp.einsum("btf,fd->btd", gate * jnp.einsum("btd,df->btf", h, w.w_up), w.w_down)
+        x = x + linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
     return x, k_pages, v_pages
 
 
@@ -125,8 +138,6 @@ def forward(
     if logit_indices is not None:
         x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    if weights.lm_head is None:
-        logits = jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+    head = weights.embed if weights.lm_head is None else weights.lm_head
+    logits = linear(x, head, preferred_element_type=jnp.float32)
     return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs)), tuple(hidden))

@@ -42,20 +42,21 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 @pytree_dataclass
 @dataclass(frozen=True)
 class Layer:
-    """One decoder block. Projections keep heads as an axis: wq is [embed, q_heads, head_dim]."""
+    """One decoder block. Projections are stored [out, in] (the Hugging Face layout) and keep heads as
+    axes: wq is [q_heads, head_dim, embed], wo is [embed, q_heads, head_dim]."""
 
     attn_norm: Any
     wq: Any
     wk: Any
     wv: Any
-    wo: Any  # [q_heads, head_dim, embed]
+    wo: Any  # [embed, q_heads, head_dim]
     bq: Any  # [q_heads, head_dim] or None
     bk: Any
     bv: Any
     mlp_norm: Any
-    w_gate: Any  # [embed, ffn]
+    w_gate: Any  # [ffn, embed]
     w_up: Any
-    w_down: Any  # [ffn, embed]
+    w_down: Any  # [embed, ffn]
 
     @staticmethod
     def abstract(cfg: ModelConfig) -> Layer:
@@ -63,17 +64,17 @@ class Layer:
         bias = cfg.attention_bias
         return Layer(
             attn_norm=ArraySpec((d,), ("embed",), "ones"),
-            wq=ArraySpec((d, h, hd), ("embed", "q_heads", "head_dim")),
-            wk=ArraySpec((d, kv, hd), ("embed", "kv_heads", "head_dim")),
-            wv=ArraySpec((d, kv, hd), ("embed", "kv_heads", "head_dim")),
-            wo=ArraySpec((h, hd, d), ("q_heads", "head_dim", "embed")),
+            wq=ArraySpec((h, hd, d), ("q_heads", "head_dim", "embed")),
+            wk=ArraySpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
+            wv=ArraySpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
+            wo=ArraySpec((d, h, hd), ("embed", "q_heads", "head_dim")),
             bq=ArraySpec((h, hd), ("q_heads", "head_dim")) if bias else None,
             bk=ArraySpec((kv, hd), ("kv_heads", "head_dim")) if bias else None,
             bv=ArraySpec((kv, hd), ("kv_heads", "head_dim")) if bias else None,
             mlp_norm=ArraySpec((d,), ("embed",), "ones"),
-            w_gate=ArraySpec((d, f), ("embed", "ffn")),
-            w_up=ArraySpec((d, f), ("embed", "ffn")),
-            w_down=ArraySpec((f, d), ("ffn", "embed")),
+            w_gate=ArraySpec((f, d), ("ffn", "embed")),
+            w_up=ArraySpec((f, d), ("ffn", "embed")),
+            w_down=ArraySpec((d, f), ("embed", "ffn")),
         )
 
 
@@ -85,7 +86,7 @@ class Weights:
     embed: Any  # [vocab, embed]
     layers: Any  # tuple[Layer, ...]
     final_norm: Any  # [embed]
-    lm_head: Any  # [embed, vocab] or None
+    lm_head: Any  # [vocab, embed] or None
 
     @staticmethod
     def abstract(cfg: ModelConfig) -> Weights:
@@ -94,7 +95,7 @@ class Weights:
             embed=ArraySpec((v, d), ("vocab", "embed")),
             layers=tuple(Layer.abstract(cfg) for _ in range(cfg.num_layers)),
             final_norm=ArraySpec((d,), ("embed",), "ones"),
-            lm_head=None if cfg.tie_word_embeddings else ArraySpec((d, v), ("embed", "vocab")),
+            lm_head=None if cfg.tie_word_embeddings else ArraySpec((v, d), ("vocab", "embed")),
         )
 
 
@@ -110,9 +111,8 @@ def random_weights(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -
     def init(spec: ArraySpec, k: jax.Array) -> jax.Array:
         if spec.init == "ones":
             return jnp.ones(spec.shape, dtype)
-        fan_in = spec.shape[0] if spec.axes[0] != "q_heads" else spec.shape[0] * spec.shape[1]
-        if spec.axes[0] == "vocab":
-            fan_in = spec.shape[1]
+        # Every matrix is [out..., in...]: the input is the last axis, or (q_heads, head_dim) for wo.
+        fan_in = spec.shape[-1] * (spec.shape[-2] if spec.axes[-1] == "head_dim" else 1)
         return (jax.random.normal(k, spec.shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
 
     return jax.tree_util.tree_unflatten(treedef, [init(s, k) for s, k in zip(specs, keys)])
