@@ -128,12 +128,12 @@ def scan_input(path: str, shard_index: int = 0, num_shards: int = 1,
             lines += 1
             todo += not is_done(cid, number)
     del seen
-    duplicates: dict[str, list[int]] = {cid: [] for cid in repeated}
+    duplicates: dict[str, list[int]] = {}  # in the order of their first line
     if repeated:
         for number, raw in read_lines(path):
             cid = custom_id_of(raw)
-            if cid in duplicates:
-                duplicates[cid].append(number)
+            if cid in repeated:
+                duplicates.setdefault(cid, []).append(number)
     return InputScan(lines, todo, duplicates)
 
 
