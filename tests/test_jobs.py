@@ -243,12 +243,16 @@ def test_sigkill_mid_run_then_restart_ends_with_one_line_per_request_equal_to_an
     proc.wait()
     written = list(iter_records(str(out)))
     assert 10 <= len(written) < 150, "the kill must land in the middle of the run"
+    torn = b'{"id": "batch_req_0", "custom_id": "req-149", "resp'
+    with open(out, "ab") as f:  # as if the kill had come in the middle of a write
+        f.write(torn)
 
     restart = subprocess.run(jaxserve_batch("--config", str(config), "--output", str(out)), env=env,
                              capture_output=True, text=True, timeout=600)
     assert restart.returncode == 0, restart.stderr
     summary = json.loads(restart.stdout)
     assert summary["already_done"] == len(written) and summary["completed"] + summary["errors"] == 150 - len(written)
+    assert summary["repaired_bytes"] == len(torn)
     resumed = read_output(out)
     assert len(resumed) == 150
     assert resumed[:len(written)] == [r for _, _, r in written], "a restart only appends"
