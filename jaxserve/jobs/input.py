@@ -70,13 +70,12 @@ class BatchRequest:
 def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
     """Yields (line number, raw line) for every non-blank line of `path`, streaming."""
     try:
-        f = open(path, "rb")
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield number, raw
     except OSError as e:
         raise JaxserveError(f"cannot read the batch input {path!r}: {e.strerror}") from e
-    with f:
-        for number, raw in enumerate(f, 1):
-            if raw.strip():
-                yield number, raw
 
 
 def in_shard(line: int, shard_index: int, num_shards: int) -> bool:
@@ -170,10 +169,10 @@ def _envelope(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     url = obj.get("url")
     if url not in (COMPLETIONS, CHAT):
         raise JaxserveError(f"url={url!r} must be {COMPLETIONS!r} or {CHAT!r}")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise JaxserveError(f"body must be a JSON object, got {type(body).__name__}")
-    return url, body
+    envelope_body = obj.get("body")
+    if not isinstance(envelope_body, dict):
+        raise JaxserveError(f"body must be a JSON object, got {type(envelope_body).__name__}")
+    return url, envelope_body
 
 
 def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams) -> SamplingParams:

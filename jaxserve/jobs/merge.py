@@ -8,6 +8,7 @@ file appears atomically (written beside, synced, renamed), so a half-written mer
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -46,19 +47,17 @@ def merge(shards: list[str], output: str, *, input_path: str | None = None) -> M
             errors += record["error"] is not None
     order = _input_order(input_path, index) if input_path is not None else sorted(index, key=index.__getitem__)
     tmp = f"{output}.merging"
-    files = [open(s, "rb") for s in shards]
     try:
-        with open(tmp, "wb") as out:
+        with contextlib.ExitStack() as stack, open(tmp, "wb") as out:
+            files = [stack.enter_context(open(s, "rb")) for s in shards]
             for key in order:
-                shard, offset = index[key]
-                files[shard].seek(offset)
-                out.write(files[shard].readline())
+                which, offset = index[key]
+                files[which].seek(offset)
+                out.write(files[which].readline())
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, output)
     finally:
-        for f in files:
-            f.close()
         if os.path.exists(tmp):
             os.remove(tmp)
     return MergeSummary(len(shards), len(index), errors, output)
