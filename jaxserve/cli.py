@@ -1,4 +1,4 @@
-"""The `jaxserve` command line: thin wrappers over the library."""
+"""The `jaxserve` command line: thin wrappers over the library (batch jobs: jaxserve/jobs/command.py)."""
 
 from __future__ import annotations
 
@@ -235,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     sampling(cgen)
     cgen.add_argument("prompt", metavar="PROMPT")
     cgen.set_defaults(func=cmd_client_generate)
+
+    from jaxserve.jobs.command import add_parser as add_batch_parser
+
+    add_batch_parser(sub)
     return parser
 
 

@@ -329,3 +329,39 @@ class ServerConfig:
             raise JaxserveError("set auth_token or auth_token_file, not both")
         if self.auth_token is not None and not self.auth_token.strip():
             raise JaxserveError("auth_token must not be empty; leave it unset to turn auth off")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchConfig:
+    """An offline batch job (`jaxserve batch`): input and output JSONL, the model and engine, request defaults."""
+
+    input: str | None = None  # OpenAI batch JSONL or {"custom_id", "prompt"} lines
+    output: str | None = None  # results are appended here; with num_shards > 1 each shard writes its own file
+    model: str | None = None  # GGUF file, HF or orbax directory; None runs the embedded SmolLM2
+    dtype: str | None = None  # float32 or bfloat16; None: float32 on CPU, bfloat16 on GPU/TPU
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # for every key a request leaves out
+    max_in_flight: int | None = None  # requests handed to the engine at once; None: 4 * engine.max_slots
+    shard_index: int | None = None  # None: $JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else 0
+    num_shards: int = 1  # input line i (from 1) belongs to shard (i - 1) % num_shards
+    fsync_interval_s: float = 1.0  # results reach the disk at least this often; 0 syncs after every step
+    progress: bool = True  # a progress bar on stderr
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise JaxserveError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.num_shards < 1:
+            raise JaxserveError(f"num_shards must be at least 1, got {self.num_shards}")
+        if self.shard_index is not None and not 0 <= self.shard_index < self.num_shards:
+            raise JaxserveError(f"shard_index={self.shard_index} must lie in [0, num_shards={self.num_shards})")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise JaxserveError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
+        if self.fsync_interval_s < 0:
+            raise JaxserveError(f"fsync_interval_s must be >= 0, got {self.fsync_interval_s}")
+        if self.sampling.logprobs:
+            raise JaxserveError(f"sampling.logprobs={self.sampling.logprobs}: batch jobs do not write log-probabilities; "
+                                "leave it at 0")
+
+    @property
+    def in_flight_limit(self) -> int:
+        return self.max_in_flight or 4 * self.engine.max_slots

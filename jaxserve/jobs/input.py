@@ -1,0 +1,247 @@
+"""Input lines of a batch job, parsed into requests or into errors that carry their line number.
+
+Two forms are read, one JSON object a line:
+
+- the OpenAI batch format: `{"custom_id", "method": "POST", "url": "/v1/completions" or
+  "/v1/chat/completions", "body": {...}}`, the body as the OpenAI API takes it;
+- a plain form: `{"custom_id", "prompt": ...}` or `{"custom_id", "messages": [...]}`, with any body
+  key beside them.
+
+A completions prompt is a string or a list of token ids; chat messages are rendered with the
+model's chat template. Sampling keys a line leaves out come from the job's defaults. A line that
+asks for something jaxserve cannot honour (several choices, streaming, penalties) is an error, never
+silently served otherwise. Blank lines are skipped; line numbers count every physical line from 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.checkpoint.tokenizer import Tokenizer
+from jaxserve.config import SamplingParams
+from jaxserve.errors import JaxserveError
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+_ENVELOPE = {"custom_id", "method", "url", "body"}
+_INT_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "top_k": "top_k", "seed": "seed"}
+_FLOAT_KEYS = ("temperature", "top_p")
+_IGNORED_KEYS = ("model", "user")  # accepted and not used: the job serves one model
+_DEFAULT_ONLY = {"n": 1, "best_of": 1, "stream": False, "echo": False, "logprobs": 0, "top_logprobs": 0,
+                 "presence_penalty": 0, "frequency_penalty": 0}  # accepted only at these values
+
+
+class LineError(JaxserveError):
+    """An input line that cannot be served; it becomes an error record and the job goes on."""
+
+    def __init__(self, line: int, code: str, message: str, custom_id: str | None = None) -> None:
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.code = code
+        self.custom_id = custom_id
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One parsed input line."""
+
+    line: int
+    custom_id: str
+    url: str  # COMPLETIONS or CHAT
+    prompt: str | list[int] | None  # completions
+    messages: list[dict[str, str]] | None  # chat
+    params: SamplingParams
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's token ids: encoded text, the ids as given, or the rendered chat."""
+        if self.messages is not None:
+            return tokenizer.encode_chat(self.messages)
+        if isinstance(self.prompt, str):
+            return tokenizer.encode(self.prompt)
+        return list(self.prompt or [])
+
+
+def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """Yields (line number, raw line) for every non-blank line of `path`, streaming."""
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if raw.strip():
+                    yield number, raw
+    except OSError as e:
+        raise JaxserveError(f"cannot read the batch input {path!r}: {e.strerror}") from e
+
+
+def in_shard(line: int, shard_index: int, num_shards: int) -> bool:
+    """Line i (from 1) belongs to shard (i - 1) % num_shards, so shards are even and need no line count."""
+    return (line - 1) % num_shards == shard_index
+
+
+def custom_id_of(raw: bytes) -> str | None:
+    """The line's custom_id when it is a JSON object with a string one, else None (a cheap pre-pass read)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and cid else None
+
+
+@dataclass
+class InputScan:
+    """One pass over the whole input, before any work: this shard's size and every repeated custom_id."""
+
+    lines: int  # non-blank lines in this shard
+    todo: int  # of them, those without a result yet
+    duplicates: dict[str, list[int]]  # custom_id -> the lines it occurs on, for every id seen twice
+
+    def check_unique(self, path: str) -> None:
+        """Raises, naming them and their lines, if any custom_id occurs twice: results could not be told apart."""
+        if self.duplicates:
+            shown = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}"
+                              for cid, lines in list(self.duplicates.items())[:10])
+            more = f" (and {len(self.duplicates) - 10} more)" if len(self.duplicates) > 10 else ""
+            raise JaxserveError(f"{path}: {len(self.duplicates)} custom_ids occur more than once: {shown}{more}; every "
+                                "custom_id must be unique so that each result can be matched to its request; nothing was run")
+
+
+def scan_input(path: str, shard_index: int = 0, num_shards: int = 1,
+               is_done: Callable[[str | None, int], bool] = lambda cid, line: False) -> InputScan:
+    """Reads every line once (all shards: a custom_id must be unique across them); keeps only ids, not lines."""
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    lines = todo = 0
+    for number, raw in read_lines(path):
+        cid = custom_id_of(raw)
+        if cid is not None:
+            if cid in seen:
+                repeated.add(cid)
+            seen.add(cid)
+        if in_shard(number, shard_index, num_shards):
+            lines += 1
+            todo += not is_done(cid, number)
+    del seen
+    duplicates: dict[str, list[int]] = {}  # in the order of their first line
+    if repeated:
+        for number, raw in read_lines(path):
+            cid = custom_id_of(raw)
+            if cid in repeated:
+                duplicates.setdefault(cid, []).append(number)
+    return InputScan(lines, todo, duplicates)
+
+
+def parse_line(raw: bytes, line: int, defaults: SamplingParams) -> BatchRequest:
+    """Parses one line; raises LineError (with the custom_id when it was readable) if it cannot be served."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise LineError(line, "invalid_json", f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise LineError(line, "invalid_json", f"expected a JSON object, got {type(obj).__name__}")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise LineError(line, "invalid_request", f"custom_id={cid!r} must be a non-empty string")
+    try:
+        url, body = _envelope(obj)
+        params = _sampling(body, url, cid, defaults)
+        if url == COMPLETIONS:
+            return BatchRequest(line, cid, url, _prompt(body), None, params)
+        return BatchRequest(line, cid, url, None, _messages(body), params)
+    except JaxserveError as e:
+        raise LineError(line, "invalid_request", str(e), cid) from None
+
+
+def _envelope(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    if not ({"url", "body", "method"} & obj.keys()):  # the plain form: the body's keys beside custom_id
+        body = {k: v for k, v in obj.items() if k != "custom_id"}
+        return (CHAT if "messages" in body else COMPLETIONS), body
+    unknown = sorted(obj.keys() - _ENVELOPE)
+    if unknown:
+        raise JaxserveError(f"unknown keys {unknown} beside custom_id, method, url and body")
+    if obj.get("method", "POST") != "POST":
+        raise JaxserveError(f"method={obj['method']!r} must be 'POST'")
+    url = obj.get("url")
+    if url not in (COMPLETIONS, CHAT):
+        raise JaxserveError(f"url={url!r} must be {COMPLETIONS!r} or {CHAT!r}")
+    envelope_body = obj.get("body")
+    if not isinstance(envelope_body, dict):
+        raise JaxserveError(f"body must be a JSON object, got {type(envelope_body).__name__}")
+    return url, envelope_body
+
+
+def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams) -> SamplingParams:
+    prompt_key = "prompt" if url == COMPLETIONS else "messages"
+    values: dict[str, Any] = {}
+    for key, value in body.items():
+        if key == prompt_key or key in _IGNORED_KEYS:
+            continue
+        if key in _INT_KEYS:
+            if value is not None:
+                if type(value) is not int:
+                    raise JaxserveError(f"{key}={value!r} must be an integer")
+                values[_INT_KEYS[key]] = value
+        elif key in _FLOAT_KEYS:
+            if value is not None:
+                if type(value) not in (int, float):
+                    raise JaxserveError(f"{key}={value!r} must be a number")
+                values[key] = float(value)
+        elif key == "stop":
+            stops = [value] if isinstance(value, str) else value or []
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise JaxserveError(f"stop={value!r} must be a string or a list of strings")
+            values["stop"] = tuple(stops)
+        elif key == "ignore_eos":
+            if type(value) is not bool:
+                raise JaxserveError(f"ignore_eos={value!r} must be true or false")
+            values["ignore_eos"] = value
+        elif key in _DEFAULT_ONLY:
+            if value is not None and value != _DEFAULT_ONLY[key]:
+                raise JaxserveError(f"{key}={value!r} is not supported by jaxserve batch; leave it out or set it to "
+                                    f"{json.dumps(_DEFAULT_ONLY[key])}")
+        else:
+            known = sorted({prompt_key, "stop", "ignore_eos", *_INT_KEYS, *_FLOAT_KEYS, *_IGNORED_KEYS, *_DEFAULT_ONLY})
+            raise JaxserveError(f"body key {key!r} is not supported; jaxserve batch reads {', '.join(known)}")
+    if "seed" not in values:  # reproducible per request, and independent across requests
+        values["seed"] = (defaults.seed + zlib.crc32(cid.encode())) % 2**32
+    return dataclasses.replace(defaults, **values)
+
+
+def _prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
+        raise JaxserveError(f"prompt is a list of {len(prompt)} strings; send one prompt per line")
+    raise JaxserveError(f"prompt={prompt!r} must be a non-empty string or a non-empty list of token ids")
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise JaxserveError(f"messages={messages!r} must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise JaxserveError(f"messages[{i}]={m!r} needs a non-empty string role")
+        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise JaxserveError(f"messages[{i}].content must be a string or a list of text parts "
+                        "({\"type\": \"text\", \"text\": ...}); other parts are not supported")
