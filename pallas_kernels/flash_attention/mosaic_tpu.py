@@ -75,10 +75,10 @@ def page_copies(table_ref, row, kvh, pos, k_hbm, v_hbm, k_dst, v_dst, sem, *, pa
     for src, dst in ((k_hbm, k_dst), (v_hbm, v_dst)):
         if ps >= bk:
             offset = pl.multiple_of(lax.rem(pos, ps), bk)
-            copies.append(pltpu.make_async_copy(src.at[kvh, page(pos // ps), pl.ds(offset, bk)], dst, sem))
+            copies.append(pltpu.make_async_copy(src.at[kvh, page(lax.div(pos, ps)), pl.ds(offset, bk)], dst, sem))
         else:
             for i in range(bk // ps):
-                copies.append(pltpu.make_async_copy(src.at[kvh, page(pos // ps + i)], dst.at[pl.ds(i * ps, ps)], sem))
+                copies.append(pltpu.make_async_copy(src.at[kvh, page(lax.div(pos, ps) + i)], dst.at[pl.ds(i * ps, ps)], sem))
     return copies
 
 
@@ -144,8 +144,8 @@ def _kernel(table_ref, q_start_ref, kv_len_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
     q0 = q_start_ref[b] + qi * block_q
     hi = jnp.minimum(kv_len, q0 + block_q) if causal else kv_len
     lo = jnp.minimum(kv_len, q0 + 1) if causal else kv_len  # keys below lo are visible to every row
-    num_blocks = (jnp.maximum(hi, 0) + bk - 1) // bk
-    num_full = jnp.clip(lo // bk, 0, num_blocks)
+    num_blocks = lax.div(jnp.maximum(hi, 0) + bk - 1, bk)  # lax.div: the operands are never negative
+    num_full = jnp.minimum(lax.div(jnp.maximum(lo, 0), bk), num_blocks)
 
     def copies(j, slot):
         return page_copies(table_ref, b, kvh, j * bk, k_hbm, v_hbm, k_buf.at[slot], v_buf.at[slot], sem.at[slot],
