@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +90,8 @@ def attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies: Callable[[Any, Any], lis
     q_ref: [rows, hd]; k_buf, v_buf: [2, block_k, hd] VMEM; acc_ref: [rows, hd] f32 VMEM scratch,
     left holding the unnormalized output. copies(j, slot): the DMAs bringing block j into buffer
     `slot`. Blocks from num_full on are masked: scores where not visible(j) ([rows, block_k] bool),
-    and V rows at positions >= kv_len (stale page contents, maybe NaN). Returns the row max m and
-    the softmax denominator l, both [rows, 1] f32.
+    and V rows at positions >= kv_len (stale page contents, maybe NaN). Returns the row max and
+    the softmax denominator, both [rows, 1] f32.
     """
     rows, bk = q_ref.shape[0], k_buf.shape[1]
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
@@ -101,7 +102,7 @@ def attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies: Callable[[Any, Any], lis
             c.start()
 
     def step(j, carry, *, masked: bool):
-        m, l = carry
+        m, denom = carry
         slot = lax.rem(j, 2)
 
         @pl.when(j + 1 < num_blocks)
@@ -121,10 +122,10 @@ def attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies: Callable[[Any, Any], lis
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new)
-        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        denom = alpha * denom + jnp.sum(p, axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v, precision=precision,
                                                       preferred_element_type=jnp.float32)
-        return m_new, l
+        return m_new, denom
 
     acc_ref[...] = jnp.zeros_like(acc_ref)
     carry = (jnp.full((rows, 1), _NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
@@ -161,9 +162,9 @@ def _kernel(table_ref, q_start_ref, kv_len_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
             seen = seen & (k_pos <= q_pos)
         return seen
 
-    _, l = attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies, num_full=num_full, num_blocks=num_blocks,
+    _, denom = attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies, num_full=num_full, num_blocks=num_blocks,
                          kv_len=kv_len, scale=scale, visible=visible)
-    o_ref[...] = (acc_ref[...] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+    o_ref[...] = (acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
 def _call(q, k_pages, v_pages, table, q_start, kv_len, *, causal: bool, sm_scale, block_q: int, block_k: int,

@@ -62,10 +62,10 @@ def _kernel(table_ref, len_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_bu
     def visible(j):
         return begin + j * bk + lax.broadcasted_iota(jnp.int32, (q_ref.shape[0], bk), 1) < length
 
-    m, l = attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies, num_full=lax.div(n, bk), num_blocks=num_blocks,
+    m, denom = attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies, num_full=lax.div(n, bk), num_blocks=num_blocks,
                          kv_len=length - begin, scale=scale, visible=visible)
-    o_ref[...] = acc_ref[...] / jnp.where(l == 0.0, 1.0, l)
-    lse_ref[...] = m + jnp.log(l)  # -inf for a split that saw no key
+    o_ref[...] = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)
+    lse_ref[...] = m + jnp.log(denom)  # -inf for a split that saw no key
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float | None = None,

@@ -88,7 +88,8 @@ class FlashSuite:
 
 
 class TestReference(FlashSuite):
-    NAN_CASES = [("float32", 64, 1, True), ("bfloat16", 128, 4, False), ("bfloat16", 64, 8, True)]  # the masking does not depend on the shapes
+    # The masking does not depend on the shapes: a covering handful.
+    NAN_CASES = [("float32", 64, 1, True), ("bfloat16", 128, 4, False), ("bfloat16", 64, 8, True)]
 
     def test_shape_errors_name_the_values(self):
         q = jnp.zeros((1, 8, 6, 64))
@@ -137,6 +138,20 @@ class TestMosaicTPUInterpret(InterpretSuite):
 
         dtype, _, group, _ = case
         return BlockSizes(block_q=self.q_len(group), block_k=8 if dtype == "float32" else 32)
+
+    def test_shape_errors_name_the_values(self):
+        from pallas_kernels.flash_attention.mosaic_tpu import BlockSizes
+
+        q = jnp.zeros((1, 24, 2, 64), jnp.bfloat16)
+        k = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+        with pytest.raises(ValueError, match="q_len=24 must be a multiple of block_q=16"):
+            flash_attention(q, k, k, backend="mosaic_tpu", block_sizes=BlockSizes(block_q=16))
+        with pytest.raises(ValueError, match="kv_len=64 must be a multiple of block_k=48"):
+            flash_attention(q, k, k, backend="mosaic_tpu", block_sizes=BlockSizes(block_k=48))
+        pages = jnp.zeros((1, 8, 8, 64), jnp.bfloat16)
+        rows = jnp.zeros((1,), jnp.int32)
+        with pytest.raises(ValueError, match="page_size=8 and block_k=64 must be multiples of 16"):
+            paged_flash_attention(q, pages, pages, jnp.zeros((1, 8), jnp.int32), rows, rows, backend="mosaic_tpu")
 
     def test_lowers_for_tpu(self):
         """The Pallas-to-Mosaic lowering (block shapes, primitives) runs here without a TPU."""

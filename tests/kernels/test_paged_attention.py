@@ -63,7 +63,8 @@ class DecodeSuite:
 
 
 class TestReference(DecodeSuite):
-    NAN_CASES = [("float32", 64, 1, 1), ("bfloat16", 128, 4, 3), ("bfloat16", 64, 8, 3)]  # the masking does not depend on the shapes
+    # The masking does not depend on the shapes: a covering handful.
+    NAN_CASES = [("float32", 64, 1, 1), ("bfloat16", 128, 4, 3), ("bfloat16", 64, 8, 3)]
 
     def test_shape_errors_name_the_values(self):
         pages = jnp.zeros((2, 4, 16, 64))  # 2 KV heads, 4 pages
