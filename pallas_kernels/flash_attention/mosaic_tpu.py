@@ -51,7 +51,7 @@ def check_pages(page_size: int, block_k: int, dtype: Any) -> None:
         raise ValueError(f"page_size={page_size} and block_k={block_k} must divide one another")
 
 
-def default_block_k(page_size: int, pages_per_row: int, target: int = 256) -> int:
+def default_block_k(page_size: int, pages_per_row: int, target: int) -> int:
     """About `target` keys per step: whole pages (a slice of a large page), never past the table's row."""
     if page_size >= target:
         return math.gcd(page_size, target)
@@ -209,10 +209,13 @@ def _call(q, k_pages, v_pages, table, q_start, kv_len, *, causal: bool, sm_scale
 
 
 def default_block_q(q_len: int, group: int, block_q: int | None) -> int:
-    """About 512 query rows per program (group * block_q), at most 128 positions, dividing q_len."""
+    """About 256 query rows per program (group * block_q), at most 128 positions, dividing q_len.
+
+    With block_k = 128, a step's scores are then [256, 128] float32: 32 of the 64 vector registers.
+    """
     if block_q is not None:
         return block_q
-    bq = min(128, max(8, 512 // group))
+    bq = min(128, max(8, 256 // group))
     while bq > 8 and q_len % bq:
         bq //= 2
     return bq
@@ -224,7 +227,7 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     bs = block_sizes or BlockSizes()
     b, t, h, hd = q.shape
     s, kv = k.shape[1], k.shape[2]
-    bk = bs.block_k or math.gcd(s, 256)
+    bk = bs.block_k or math.gcd(s, 128)
     if s % bk:
         raise ValueError(f"kv_len={s} must be a multiple of block_k={bk}")
 
@@ -243,7 +246,7 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, 
     """Prefill chunk over K/V pages (see reference.paged_flash_attention), pages copied by DMA, never gathered."""
     bs = block_sizes or BlockSizes()
     kv, _, ps, _ = k_pages.shape
-    block_k = bs.block_k or default_block_k(ps, page_table.shape[1])
+    block_k = bs.block_k or default_block_k(ps, page_table.shape[1], 128)
     return _call(q, k_pages, v_pages, page_table, q_start, kv_lengths, causal=causal, sm_scale=sm_scale,
                  block_q=default_block_q(q.shape[1], q.shape[2] // kv, bs.block_q), block_k=block_k,
                  interpret=interpret)

@@ -76,7 +76,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     kv, _, ps, _ = k_pages.shape
     group = h // kv
     pages_per_row = page_table.shape[1]
-    bk = bs.block_k or default_block_k(ps, pages_per_row)
+    bk = bs.block_k or default_block_k(ps, pages_per_row, 256)  # a few query rows: bigger copies
     check_pages(ps, bk, k_pages.dtype)
     max_len = pages_per_row * ps
     splits = bs.num_splits or default_splits(b, kv, max_len, bk)
