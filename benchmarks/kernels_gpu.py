@@ -106,7 +106,8 @@ def bench_flash(path: str, rows: list, quick: bool) -> None:
                         f"xla {xla_tf:6.1f} TFLOP/s  ratio/cudnn {t_cudnn / t_ours:5.2f}  err {err:.1e}")
 
 
-def bench_decode(path: str, rows: list, quick: bool, copy_bw: float) -> None:
+def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, ragged: bool = False) -> None:
+    """ragged: every slot one token short of the context, so each split's last block is partial (masked)."""
     heads, kv, hd, ps = 32, 8, 128, 16
     configs = [decode_gpu.BlockSizes(block_k=64, stages=2), decode_gpu.BlockSizes(block_k=64, stages=4),
                decode_gpu.BlockSizes(block_k=128, stages=2), decode_gpu.BlockSizes(block_k=64, stages=3)]
@@ -121,7 +122,7 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float) -> None:
             vp = jax.random.normal(ks[1], (kv, num_pages, ps, hd), jnp.bfloat16)
             q = jax.random.normal(ks[2], (batch, heads, hd), jnp.bfloat16)
             table = jnp.asarray(testing.random_page_table(rng, batch, pages, num_pages))
-            lengths = jnp.full((batch,), ctx, jnp.int32)
+            lengths = jnp.full((batch,), ctx - 1 if ragged else ctx, jnp.int32)
             nbytes = 2 * batch * ctx * kv * hd * 2
             ref_fn = jax.jit(decode_ref.paged_attention)
             small = nbytes <= (4 << 30)
@@ -139,7 +140,7 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float) -> None:
                     continue
                 bw = nbytes / t
                 config = dict(timing="20 calls in one jit", batch=batch, context=ctx, heads=heads, kv_heads=kv,
-                              head_dim=hd, page_size=ps,
+                              head_dim=hd, page_size=ps, ragged=ragged,
                               block_k=bs.block_k, stages=bs.stages, dtype="bfloat16", err_vs_reference=err)
                 record(path, "paged_decode", config, "kv_bandwidth", bw / 1e12, "TB/s", "device_copy", copy_bw / 1e12)
                 if best is None or t < best[0]:
@@ -163,13 +164,14 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kernels_gpu.jsonl")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("flash", "decode"))
+    parser.add_argument("--ragged", action="store_true", help="decode lengths one short of the context")
     args = parser.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
     rows: list[str] = []
     copy_bw = copy_bandwidth()
     rows.append(f"device copy {copy_bw / 1e12:.2f} TB/s (read + write)")
     for name, fn in (("flash", lambda: bench_flash(args.out, rows, args.quick)),
-                     ("decode", lambda: bench_decode(args.out, rows, args.quick, copy_bw))):
+                     ("decode", lambda: bench_decode(args.out, rows, args.quick, copy_bw, args.ragged))):
         if args.only in (None, name):
             try:
                 fn()

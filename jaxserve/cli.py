@@ -28,9 +28,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_attention_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention", choices=("auto", "reference", "pallas"), default=None,
+    from jaxserve.config import ATTENTION_BACKENDS
+
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
                    help="attention implementation: Pallas kernels where the platform has them (auto), plain XLA "
-                        "(reference), or the kernels everywhere (pallas; interpreted, slowly, on CPU)")
+                        "(reference), or the kernels everywhere (pallas; interpreted, slowly, on CPU), or one "
+                        "kernel family by name (mosaic_gpu, mosaic_tpu; interpreted off their platform)")
 
 
 def _load(args: argparse.Namespace) -> Any:

@@ -196,6 +196,9 @@ def _from_mapping(cls: type[T], data: dict[str, Any], where: str) -> T:
     return cls(**values)
 
 
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "mosaic_gpu", "mosaic_tpu")  # pallas_kernels.backend.BACKENDS
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Sizes of the engine: slots, the page pool, and the compiled prefill chunk buckets."""
@@ -206,7 +209,9 @@ class EngineConfig:
     max_pages_per_slot: int = 64  # the longest sequence a slot can hold is page_size * this
     chunk_buckets: tuple[int, ...] = (16, 64, 256)  # prefill chunk sizes; the largest is the chunk limit
     prefill_rows: tuple[int, ...] = (1,)  # how many requests' chunks one prefill step may carry
-    attention: str = "auto"  # "auto", "reference" (XLA) or "pallas" (the platform's kernels; interpreted on CPU)
+    # "auto", "reference" (XLA), "pallas" (the platform's kernels; interpreted on CPU), or one kernel
+    # family by name, "mosaic_gpu" or "mosaic_tpu" (interpreted where the platform cannot compile it)
+    attention: str = "auto"
     # Page-table widths of the compiled decode steps: a decode step attends over the smallest width
     # that holds its longest row, not over max_pages_per_slot. Empty: max_pages_per_slot only.
     decode_page_buckets: tuple[int, ...] = ()
@@ -219,8 +224,8 @@ class EngineConfig:
                 raise JaxserveError(f"engine config {name} must be at least 1, got {getattr(self, name)}")
         if not self.chunk_buckets or list(self.chunk_buckets) != sorted(set(self.chunk_buckets)):
             raise JaxserveError(f"chunk_buckets must be strictly increasing and non-empty, got {self.chunk_buckets}")
-        if self.attention not in ("auto", "reference", "pallas"):
-            raise JaxserveError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise JaxserveError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if any(not 0 < p <= self.max_pages_per_slot for p in self.decode_page_buckets):
             raise JaxserveError(f"decode_page_buckets={self.decode_page_buckets} must lie in [1, max_pages_per_slot="
                                 f"{self.max_pages_per_slot}]")

@@ -2,7 +2,8 @@
 
 Backends: "reference" (pure jnp), "mosaic_gpu" (Hopper), "mosaic_tpu", "pallas" (the Pallas
 backend of the current platform; on CPU the Mosaic GPU kernels in interpret mode) and "auto"
-(Mosaic GPU on a GPU, the reference elsewhere; Mosaic TPU once its kernels are written).
+(Mosaic GPU on a GPU, Mosaic TPU on a TPU, the reference elsewhere). "mosaic_gpu" and "mosaic_tpu"
+named on a platform that cannot compile them run in interpret mode.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def resolve(backend: str) -> str:
     if platform in ("gpu", "cuda"):
         return "mosaic_gpu"
     if platform == "tpu":
-        return "reference" if backend == "auto" else "mosaic_tpu"  # until the Mosaic TPU kernels exist
+        return "mosaic_tpu"
     return "reference" if backend == "auto" else "mosaic_gpu"
 
 
@@ -48,15 +49,8 @@ def interpret_params(backend: str, interpret: bool | None) -> Any:
     return InterpretGPUParams()
 
 
-def not_written(backend: str) -> NotImplementedError:
-    return NotImplementedError(f"backend={backend!r}: the Mosaic TPU kernels are not written yet; use 'reference'")
-
-
 def implementation(package: str, backend: str) -> Any:
     """The module of `package` (e.g. "pallas_kernels.paged_attention") that implements `backend`."""
     import importlib
 
-    name = resolve(backend)
-    if name == "mosaic_tpu":
-        raise not_written(name)
-    return importlib.import_module(f"{package}.{'mosaic_gpu' if name == 'mosaic_gpu' else 'reference'}")
+    return importlib.import_module(f"{package}.{resolve(backend)}")

@@ -45,6 +45,31 @@ def dense_from_pages(pages: np.ndarray, page_table: np.ndarray) -> np.ndarray:
     return np.asarray(pages)[:, page_table].transpose(1, 2, 3, 0, 4).reshape(b, n * ps, kv, hd)
 
 
+def poison_unused(rng: np.random.Generator, pages: np.ndarray, page_table: np.ndarray,
+                  lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """NaN wherever no row reads, as stale pages may hold after a request whose activations overflowed.
+
+    pages [kv_heads, num_pages, page_size, hd]: slots at or past each row's length, and every page no
+    row reads, become NaN; the table entries past each row's last page point at NaN pages (at least
+    one page must be unused). Returns float32 (pages, page_table), new arrays.
+    """
+    pages = np.array(pages, np.float32)
+    table = np.array(page_table)
+    ps = pages.shape[2]
+    read = np.zeros(pages.shape[1:3], bool)  # [num_pages, page_size]
+    for row, n in enumerate(lengths):
+        pos = np.arange(n)
+        read[table[row, pos // ps], pos % ps] = True
+    pages[:, ~read] = np.nan
+    spare = np.flatnonzero(~read.any(axis=1))
+    if not len(spare):
+        raise ValueError(f"every one of the {pages.shape[1]} pages is read: none is left to poison the table with")
+    for row, n in enumerate(lengths):
+        used = -(-int(n) // ps)
+        table[row, used:] = rng.choice(spare, size=table.shape[1] - used)
+    return pages, table
+
+
 def attention_truth(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_start: np.ndarray, kv_lengths: np.ndarray, *,
                     causal: bool, sm_scale: float | None = None) -> np.ndarray:
     """float64 numpy attention: q [b, t, h, hd], k/v [b, s, kv, hd]; the semantics of every backend."""

@@ -1,4 +1,5 @@
-"""The model's attention backends agree: Pallas kernels (interpreted on CPU, real on the GPU) and XLA."""
+"""The model's attention backends agree: Pallas kernels (Mosaic GPU and Mosaic TPU interpreted on CPU, Mosaic GPU
+real on the GPU) and XLA."""
 
 from __future__ import annotations
 
@@ -31,11 +32,21 @@ def tiny(tmp_path_factory):
     return load_model(path, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def xla_tokens(tiny):
+    tokens = generate(tiny, "reference", PROMPTS, 4)
+    assert len(set(map(tuple, tokens))) == 2
+    return tokens
+
+
 @pytest.mark.slow
-def test_pallas_kernels_in_interpret_mode_generate_what_xla_generates(tiny):
-    reference = generate(tiny, "reference", PROMPTS, 4)
-    assert generate(tiny, "pallas", PROMPTS, 4) == reference
-    assert len(set(map(tuple, reference))) == 2
+def test_pallas_kernels_in_interpret_mode_generate_what_xla_generates(tiny, xla_tokens):
+    assert generate(tiny, "pallas", PROMPTS, 4) == xla_tokens
+
+
+@pytest.mark.slow
+def test_mosaic_tpu_kernels_in_interpret_mode_generate_what_xla_generates(tiny, xla_tokens):
+    assert generate(tiny, "mosaic_tpu", PROMPTS, 4) == xla_tokens
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """The model's one attention call: paged K/V, any mix of prefill chunks and decode rows.
 
 `backend` picks the implementation (`pallas_kernels.backend`): "reference" is the pure-XLA path,
-"pallas" the platform's Pallas kernels (on CPU the Mosaic GPU kernels in interpret mode), and
-"auto" the kernels where they exist for the platform and XLA elsewhere.
+"pallas" the platform's Pallas kernels (on CPU the Mosaic GPU kernels in interpret mode),
+"mosaic_gpu" / "mosaic_tpu" one kernel family (interpreted off its platform), and "auto" the
+kernels where they exist for the platform (GPU, TPU) and XLA elsewhere.
 """
 
 from __future__ import annotations

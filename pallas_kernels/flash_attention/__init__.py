@@ -1,8 +1,8 @@
 """Flash attention (prefill): dense K/V, or a chunk attending to its row's K/V held in pages.
 
-`backend`: "auto" (Mosaic GPU on GPU, reference elsewhere), "pallas" (the
+`backend`: "auto" (Mosaic GPU on GPU, Mosaic TPU on TPU, reference elsewhere), "pallas" (the
 platform's Pallas kernel; on CPU the Mosaic GPU one, interpreted), "reference", "mosaic_gpu",
-"mosaic_tpu". Layout of pages: [kv_heads, num_pages, page_size, head_dim].
+"mosaic_tpu" (interpreted off their platform). Layout of pages: [kv_heads, num_pages, page_size, head_dim].
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ One program owns 128 query rows of one KV head's group: `heads_per_program` quer
 compute warpgroups take 64 rows each (the wgmma M); a third warpgroup only issues the TMA copies
 of K and V into a ring of `stages` shared-memory buffers. The softmax is online, in base 2, in
 float32. K/V come either from dense arrays or straight from KV pages through the page table.
+In the block that crosses a row's length, V's rows past it are zeroed in shared memory before
+P·V, so stale page contents (even NaN) never reach the output.
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def mma_accumulate(acc: jax.Array, a: jax.Array, b_ref: Any, *, interpreted: boo
         plgpu.wgmma(ref, a, b_ref)
 
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> None:
+    """Zeroes rows `first`.. of a [block_k, hd] SMEM tile of V and makes the writes visible to wgmma.
+
+    Those rows hold keys at or past the row's length: stale page contents, maybe NaN, which a zero
+    probability would not cancel (0 × NaN is NaN). Only the block that crosses the length needs it.
+    """
+    rows, hd = tile_ref.shape
+    for r in range(0, rows, ROWS):
+        part = tile_ref.at[pl.ds(r, ROWS)]
+        row = r + with_layout(lax.broadcasted_iota(jnp.int32, (ROWS, hd), 0), plgpu.Layout.WGMMA,
+                              interpreted=interpreted)
+        part[...] = jnp.where(row < first, part[...], jnp.zeros((), part.dtype))
+    plgpu.commit_smem()
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
@@ -168,6 +185,15 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
         def step(j, carry, *, masked: bool):
             m, denom, acc = carry
             slot = lax.rem(j, stages)
+            if masked:
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                # Both compute warpgroups zero the same rows: they write identical values, so
+                # neither can observe anything but V or zeros after its own writes.
+                @pl.when((j + 1) * bk > kv_len)
+                def _():
+                    zero_rows_from(v_smem.at[slot], kv_len - j * bk, interpreted=interpreted)
+
             plgpu.barrier_wait(k_bar.at[slot])
 
             s = mma_transposed(q_tile, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
@@ -183,7 +209,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             denom = denom * alpha + jnp.sum(p, axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bar.at[slot])
+            if not masked:
+                plgpu.barrier_wait(v_bar.at[slot])
 
             acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
             plgpu.barrier_arrive(v_free.at[slot])

@@ -40,6 +40,9 @@ def attend(
     p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
     probs = (p / jnp.where(denom == 0, 1.0, denom)).astype(v.dtype)
+    # Keys at or past a row's length are stale page contents (NaN, maybe): a zero weight times NaN is NaN.
+    written = k_pos[None, :] < kv_lengths[:, None]  # [b, s]
+    v = jnp.where(written[:, :, None, None], v, jnp.zeros((), v.dtype))
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, hd).astype(q.dtype)
 

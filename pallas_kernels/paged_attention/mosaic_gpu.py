@@ -6,6 +6,8 @@ ring of `stages` buffers; the compute warpgroup runs Q·Kᵀ and P·V on the ten
 group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes; groups
 narrower than 8 are padded to 8 rows in HBM first, as TMA into 8-row tiles needs aligned starts).
 With several splits, each writes a float32 partial and its log-sum-exp, combined afterwards.
+In the block that crosses a slot's length, V's rows past it are zeroed in shared memory before
+P·V, so stale page contents (even NaN) never reach the output.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pallas_kernels.flash_attention.mosaic_gpu import (
     mma_transposed,
     mosaic_dtype,
     with_layout,
+    zero_rows_from,
 )
 
 _LOG2E = math.log2(math.e)
@@ -123,6 +126,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         def step(j, carry, *, masked: bool):
             m, denom, acc = carry
             slot = lax.rem(j, stages)
+            if masked:  # the block crossing the slot's length: V past it may be stale NaN
+                plgpu.barrier_wait(v_bar.at[slot])
+                zero_rows_from(v_smem.at[slot], length - begin - j * bk, interpreted=interpreted)
             plgpu.barrier_wait(k_bar.at[slot])
             s = mma_transposed(q_smem, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
             plgpu.barrier_arrive(k_free.at[slot])
@@ -133,7 +139,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             denom = denom * alpha + jnp.sum(p, axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bar.at[slot])
+            if not masked:
+                plgpu.barrier_wait(v_bar.at[slot])
             acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
             plgpu.barrier_arrive(v_free.at[slot])
             return m_new, denom, acc

@@ -1,7 +1,8 @@
-"""Each test class lists its CASES; this parametrizes its `case` argument with them."""
+"""Each test class lists its CASES (and NAN_CASES); this parametrizes `case` (and `nan_case`) with them."""
 
 
 def pytest_generate_tests(metafunc):
-    if "case" in metafunc.fixturenames:
-        cases = metafunc.cls.CASES
-        metafunc.parametrize("case", cases, ids=["-".join(map(str, c)) for c in cases])
+    for name, attr in (("case", "CASES"), ("nan_case", "NAN_CASES")):
+        if name in metafunc.fixturenames:
+            cases = getattr(metafunc.cls, attr)
+            metafunc.parametrize(name, cases, ids=["-".join(map(str, c)) for c in cases])

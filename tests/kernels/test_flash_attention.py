@@ -3,8 +3,10 @@ CPU, and Mosaic GPU compiled on a Hopper GPU (marked gpu)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,8 +25,9 @@ class FlashSuite:
     kv_heads = 2
     batch = 2
     CASES = FULL
+    NAN_CASES = FULL
 
-    def block_sizes(self, group: int):
+    def block_sizes(self, case):
         return None
 
     def q_len(self, group: int) -> int:
@@ -38,7 +41,7 @@ class FlashSuite:
         k = testing.random_normal(rng, (self.batch, s, self.kv_heads, hd), DTYPES[dtype])
         v = testing.random_normal(rng, (self.batch, s, self.kv_heads, hd), DTYPES[dtype])
         out = flash_attention(q, k, v, causal=causal, backend=self.backend, interpret=self.interpret,
-                              block_sizes=self.block_sizes(group))
+                              block_sizes=self.block_sizes(case))
         q_start = np.full(self.batch, s - t if causal else 0)
         truth = testing.attention_truth(q, k, v, q_start, np.full(self.batch, s), causal=causal)
         assert out.shape == q.shape and out.dtype == q.dtype
@@ -46,6 +49,13 @@ class FlashSuite:
 
     def test_paged_chunk(self, case):
         """Rows of lengths 1, page_size + 1 and full; the full row's chunk follows 32 earlier tokens in pages."""
+        self.check_paged_chunk(case, stale_nan=False)
+
+    def test_stale_nan_in_pages_does_not_leak(self, nan_case):
+        """NaN in the slots past each row's length, in unused pages and behind unused table entries."""
+        self.check_paged_chunk(nan_case, stale_nan=True)
+
+    def check_paged_chunk(self, case, *, stale_nan: bool):
         dtype, hd, group, causal = case
         rng = np.random.default_rng(hash(case) % 2**32 + 1)
         t = self.q_len(group)
@@ -58,13 +68,18 @@ class FlashSuite:
         kp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         vp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         table = testing.random_page_table(rng, 3, pages_per_row, num_pages)
+        if stale_nan:
+            kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths)
+            vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths)
+            kp, vp = jnp.asarray(kp, DTYPES[dtype]), jnp.asarray(vp, DTYPES[dtype])
         out = paged_flash_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(q_start), jnp.asarray(lengths),
                                     causal=causal, backend=self.backend, interpret=self.interpret,
-                                    block_sizes=self.block_sizes(group))
-        k = testing.dense_from_pages(np.asarray(kp.astype(jnp.float32)), table)
-        v = testing.dense_from_pages(np.asarray(vp.astype(jnp.float32)), table)
+                                    block_sizes=self.block_sizes(case))
+        k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
+        v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
         truth = testing.attention_truth(q.astype(jnp.float32), k, v, q_start, lengths, causal=causal)
         assert out.shape == q.shape
+        assert np.all(np.isfinite(np.asarray(out, np.float32))), "stale page contents reached the output"
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, dtype)
 
     @property
@@ -73,6 +88,9 @@ class FlashSuite:
 
 
 class TestReference(FlashSuite):
+    # The masking does not depend on the shapes: a covering handful.
+    NAN_CASES = [("float32", 64, 1, True), ("bfloat16", 128, 4, False), ("bfloat16", 64, 8, True)]
+
     def test_shape_errors_name_the_values(self):
         q = jnp.zeros((1, 8, 6, 64))
         k = jnp.zeros((1, 8, 4, 64))
@@ -96,6 +114,7 @@ class InterpretSuite(FlashSuite):
     kv_heads = 1
     batch = 1
     CASES = [("bfloat16", 64, 1, True), ("float32", 128, 4, False), ("bfloat16", 128, 8, True)]
+    NAN_CASES = [("bfloat16", 64, 4, True)]
 
     def q_len(self, group: int) -> int:
         return 128 // group
@@ -104,20 +123,49 @@ class InterpretSuite(FlashSuite):
 class TestMosaicGPUInterpret(InterpretSuite):
     backend = "mosaic_gpu"
 
-    def block_sizes(self, group: int):
+    def block_sizes(self, case):
         from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes
 
-        return BlockSizes(heads_per_program=group)
+        return BlockSizes(heads_per_program=case[2])
 
 
-@pytest.mark.skip(reason="the Mosaic TPU kernels are not written yet (issue 5, left undone)")
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
 
-    def block_sizes(self, group: int):
+    def block_sizes(self, case):
+        """Several K/V blocks per row, so the double buffering runs; float32 takes half pages."""
         from pallas_kernels.flash_attention.mosaic_tpu import BlockSizes
 
-        return BlockSizes(block_q=self.q_len(group))
+        dtype, _, group, _ = case
+        return BlockSizes(block_q=self.q_len(group), block_k=8 if dtype == "float32" else 32)
+
+    def test_shape_errors_name_the_values(self):
+        from pallas_kernels.flash_attention.mosaic_tpu import BlockSizes
+
+        q = jnp.zeros((1, 24, 2, 64), jnp.bfloat16)
+        k = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+        with pytest.raises(ValueError, match="q_len=24 must be a multiple of block_q=16"):
+            flash_attention(q, k, k, backend="mosaic_tpu", block_sizes=BlockSizes(block_q=16))
+        with pytest.raises(ValueError, match="kv_len=64 must be a multiple of block_k=48"):
+            flash_attention(q, k, k, backend="mosaic_tpu", block_sizes=BlockSizes(block_k=48))
+        pages = jnp.zeros((1, 8, 8, 64), jnp.bfloat16)
+        rows = jnp.zeros((1,), jnp.int32)
+        with pytest.raises(ValueError, match="page_size=8 and block_k=64 must be multiples of 16"):
+            paged_flash_attention(q, pages, pages, jnp.zeros((1, 8), jnp.int32), rows, rows, backend="mosaic_tpu")
+
+    def test_lowers_for_tpu(self):
+        """The Pallas-to-Mosaic lowering (block shapes, primitives) runs here without a TPU."""
+        q = jnp.zeros((2, 256, 8, 128), jnp.bfloat16)
+        k = jnp.zeros((2, 512, 2, 128), jnp.bfloat16)
+        pages = jnp.zeros((2, 64, 16, 128), jnp.bfloat16)
+        rows = jnp.zeros((2,), jnp.int32)
+        table = jnp.zeros((2, 32), jnp.int32)
+        for causal in (True, False):
+            options = dict(causal=causal, backend="mosaic_tpu", interpret=False)
+            dense = jax.jit(functools.partial(flash_attention, **options)).trace(q, k, k)
+            assert "tpu_custom_call" in dense.lower(lowering_platforms=("tpu",)).as_text()
+            paged = jax.jit(functools.partial(paged_flash_attention, **options)).trace(q, pages, pages, table, rows, rows)
+            assert "tpu_custom_call" in paged.lower(lowering_platforms=("tpu",)).as_text()
 
 
 @pytest.mark.gpu

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,12 +23,20 @@ class DecodeSuite:
     kv_heads = 2
     pages_per_row = 24
     CASES = [(d, hd, g, s) for d, hd, g, s in itertools.product(DTYPES, (64, 128), (1, 4, 8), (1, 3))]
+    NAN_CASES = CASES
 
-    def block_sizes(self, splits: int):
+    def block_sizes(self, case):
         return None
 
     def test_ragged_slots(self, case):
         """Slots of lengths 1, page_size + 1, full and 0 over random pages; s splits of the sequence."""
+        self.check_ragged_slots(case, stale_nan=False)
+
+    def test_stale_nan_in_pages_does_not_leak(self, nan_case):
+        """NaN in the slots past each slot's length, in unused pages and behind unused table entries."""
+        self.check_ragged_slots(nan_case, stale_nan=True)
+
+    def check_ragged_slots(self, case, *, stale_nan: bool):
         dtype, hd, group, splits = case
         rng = np.random.default_rng(hash(case) % 2**32)
         full = self.pages_per_row * PAGE_SIZE
@@ -37,17 +47,25 @@ class DecodeSuite:
         kp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         vp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         table = testing.random_page_table(rng, b, self.pages_per_row, num_pages)
+        if stale_nan:
+            kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths)
+            vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths)
+            kp, vp = jnp.asarray(kp, DTYPES[dtype]), jnp.asarray(vp, DTYPES[dtype])
         out = paged_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(lengths), backend=self.backend,
-                              interpret=self.interpret, block_sizes=self.block_sizes(splits))
-        k = testing.dense_from_pages(np.asarray(kp.astype(jnp.float32)), table)
-        v = testing.dense_from_pages(np.asarray(vp.astype(jnp.float32)), table)
+                              interpret=self.interpret, block_sizes=self.block_sizes(case))
+        k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
+        v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
         truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
         assert out.shape == q.shape and out.dtype == q.dtype
+        assert np.all(np.isfinite(np.asarray(out, np.float32))), "stale page contents reached the output"
         assert np.all(np.asarray(out[3], np.float32) == 0.0), "an empty slot returns zeros"
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend, dtype)
 
 
 class TestReference(DecodeSuite):
+    # The masking does not depend on the shapes: a covering handful.
+    NAN_CASES = [("float32", 64, 1, 1), ("bfloat16", 128, 4, 3), ("bfloat16", 64, 8, 3)]
+
     def test_shape_errors_name_the_values(self):
         pages = jnp.zeros((2, 4, 16, 64))  # 2 KV heads, 4 pages
         with pytest.raises(ValueError, match="heads=3 must be a multiple of kv_heads=2"):
@@ -61,20 +79,39 @@ class InterpretSuite(DecodeSuite):
     kv_heads = 1
     pages_per_row = 9
     CASES = [("bfloat16", 64, 1, 1), ("float32", 128, 4, 2), ("bfloat16", 128, 8, 1)]
+    NAN_CASES = [("bfloat16", 64, 4, 2)]
 
 
 class TestMosaicGPUInterpret(InterpretSuite):
     backend = "mosaic_gpu"
 
-    def block_sizes(self, splits: int):
+    def block_sizes(self, case):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
-        return BlockSizes(num_splits=splits)
+        return BlockSizes(num_splits=case[3])
 
 
-@pytest.mark.skip(reason="the Mosaic TPU kernels are not written yet (issue 5, left undone)")
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
+
+    def block_sizes(self, case):
+        """Several K/V blocks per split, so the double buffering runs; float32 takes half pages."""
+        from pallas_kernels.paged_attention.mosaic_tpu import BlockSizes
+
+        dtype, _, _, splits = case
+        return BlockSizes(num_splits=splits, block_k=8 if dtype == "float32" else 32)
+
+    def test_lowers_for_tpu(self):
+        """The Pallas-to-Mosaic lowering (block shapes, primitives) runs here without a TPU."""
+        from pallas_kernels.paged_attention.mosaic_tpu import BlockSizes
+
+        args = (jnp.zeros((8, 32, 128), jnp.bfloat16), jnp.zeros((8, 512, 16, 128), jnp.bfloat16),
+                jnp.zeros((8, 64), jnp.int32), jnp.zeros((8,), jnp.int32))
+        for splits in (1, 4):
+            bs = BlockSizes(num_splits=splits)
+            fn = jax.jit(functools.partial(paged_attention, backend="mosaic_tpu", interpret=False, block_sizes=bs))
+            lowered = fn.trace(args[0], args[1], args[1], *args[2:]).lower(lowering_platforms=("tpu",))
+            assert "tpu_custom_call" in lowered.as_text()
 
 
 @pytest.mark.gpu
@@ -82,7 +119,7 @@ class TestMosaicGPU(DecodeSuite):
     backend = "mosaic_gpu"
     interpret = False
 
-    def block_sizes(self, splits: int):
+    def block_sizes(self, case):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
-        return BlockSizes(num_splits=splits)
+        return BlockSizes(num_splits=case[3])
