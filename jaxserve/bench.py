@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams
-from jaxserve.step import build_engine, sequence_parallel_chunks
+from jaxserve.step import build_engine, release_followers, sequence_parallel_chunks
 
 
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,
@@ -46,6 +46,7 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start
+    release_followers(engine)
     ttft = [r.token_times[0] - r.submitted_at for r in requests]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
     output_tokens = sum(len(r.output_ids) for r in requests)

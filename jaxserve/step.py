@@ -117,8 +117,10 @@ class StepRunner:
         step = partial(step_fn, cfg=self.model_cfg, attention=attention)
         start = time.perf_counter()
         for bucket in self.buckets:
-            example = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
-            self._compiled[bucket] = self._jit(step, bucket).lower(self.weights, self.state, vars(example)).compile()
+            example: dict[str, Any] = vars(StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots))
+            if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
+                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in example.items()}
+            self._compiled[bucket] = self._jit(step, bucket).lower(self.weights, self.state, example).compile()
         log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
 
     def _jit(self, step: Callable[..., Any], bucket: tuple[int, int, int]) -> Any:
@@ -169,6 +171,12 @@ def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
     """Compiles every bucket for `model` and returns an engine ready to take requests."""
     return Engine(StepRunner(model, cfg), model.tokenizer, cfg, vocab_size=model.config.vocab_size,
                   context_len=model.config.max_position_embeddings)
+
+
+def release_followers(engine: Engine) -> None:
+    """Tells the follower processes of a multi-host group that the leader is done; nothing on one process."""
+    if isinstance(engine.runner, StepRunner):
+        engine.runner.close()
 
 
 def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int = 16, max_slots: int = 16,

@@ -135,23 +135,41 @@ def ring_attention_shard(
         return Partial(*(jax.lax.dynamic_update_slice_in_dim(x, y, at, axis=1) for x, y in zip(acc, merge(cur, part))))
 
     tk = block[0].shape[1]
-    for step in range(n):
-        nxt = jax.lax.ppermute(block, axis, ring) if communicate and step < n - 1 else block
+
+    def hop(blk: Block) -> Block:
+        return jax.lax.ppermute(blk, axis, ring) if communicate else blk
+
+    nxt = hop(block) if n > 1 else block  # sent before this step's work, so the transfer overlaps it
+    if store is not None:
+        stored = store(stored, block)
+    if causal:  # own chunks: early x early (diagonal), late x early, late x late (diagonal)
+        acc = attend(acc, 0, tq // 2, block, 0, tk // 2)
+        acc = attend(acc, tq // 2, tq - tq // 2, block, 0, tk)
+    else:
+        acc = attend(acc, 0, tq, block, 0, tk)
+
+    def visit(i: jax.Array | int, acc: Partial, block: Block, stored: Any) -> tuple[Partial, Any]:
+        """Step i >= 1: the block of device (me - i) % n is here."""
         if store is not None:
             stored = store(stored, block)
         if not causal:
-            acc = attend(acc, 0, tq, block, 0, tk)
-        elif step == 0:  # own chunks: early x early (diagonal), late x early, late x late (diagonal)
-            acc = attend(acc, 0, tq // 2, block, 0, tk // 2)
-            acc = attend(acc, tq // 2, tq - tq // 2, block, 0, tk)
-        else:
-            acc = attend(acc, tq // 2, tq - tq // 2, block, 0, tk // 2)  # late x visiting early: all visible
-            earlier = (me - step) % n < me  # the visitor's chunks both precede ours, or both its chunks follow
-            k0, k1 = (jax.tree_util.tree_map(lambda x: x[:, :tk // 2], block),
-                      jax.tree_util.tree_map(lambda x: x[:, tk // 2:], block))
-            picked = jax.tree_util.tree_map(lambda a, c: jnp.where(earlier, a, c), k0, k1)
-            acc = attend(acc, jnp.where(earlier, 0, tq // 2), tq // 2, picked, 0, tk // 2)
-        block = nxt
+            return attend(acc, 0, tq, block, 0, tk), stored
+        acc = attend(acc, tq // 2, tq - tq // 2, block, 0, tk // 2)  # late x visiting early: all visible
+        earlier = (me - i) % n < me  # the visitor's chunks both precede ours, or both its chunks follow
+        k0, k1 = (jax.tree_util.tree_map(lambda x: x[:, :tk // 2], block),
+                  jax.tree_util.tree_map(lambda x: x[:, tk // 2:], block))
+        picked = jax.tree_util.tree_map(lambda a, c: jnp.where(earlier, a, c), k0, k1)
+        return attend(acc, jnp.where(earlier, 0, tq // 2), tq // 2, picked, 0, tk // 2), stored
+
+    def step(i: jax.Array, carry: tuple[Partial, Block, Any]) -> tuple[Partial, Block, Any]:
+        acc, block, stored = carry
+        nxt = hop(block)
+        acc, stored = visit(i, acc, block, stored)
+        return acc, nxt, stored
+
+    if n > 1:  # steps 1 .. n-2 pass their block on; the last one keeps it
+        acc, block, stored = jax.lax.fori_loop(1, n - 1, step, (acc, nxt, stored))
+        acc, stored = visit(n - 1, acc, block, stored)
     return acc, stored
 
 
