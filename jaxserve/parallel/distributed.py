@@ -1,11 +1,11 @@
 """Multi-host start-up: `jax.distributed.initialize` from a DistributedConfig, its gaps filled from the
 environment (read here, at start-up, and nowhere else).
 
-| field               | config / flag                          | else                         | else (LeaderWorkerSet pod)      |
-|---------------------|----------------------------------------|------------------------------|---------------------------------|
-| coordinator_address | `coordinator_address`, --coordinator-address | JAXSERVE_COORDINATOR_ADDRESS | LWS_LEADER_ADDRESS, port 8476 |
-| num_processes       | `num_processes`, --num-processes       | JAXSERVE_NUM_PROCESSES       | LWS_GROUP_SIZE                  |
-| process_id          | `process_id`, --process-id             | JAXSERVE_PROCESS_ID          | LWS_WORKER_INDEX                |
+| field (and flag)                            | else                         | else (LeaderWorkerSet pod)    |
+|---------------------------------------------|------------------------------|-------------------------------|
+| coordinator_address (--coordinator-address) | JAXSERVE_COORDINATOR_ADDRESS | LWS_LEADER_ADDRESS, port 8476 |
+| num_processes (--num-processes)             | JAXSERVE_NUM_PROCESSES       | LWS_GROUP_SIZE                |
+| process_id (--process-id)                   | JAXSERVE_PROCESS_ID          | LWS_WORKER_INDEX              |
 
 One process per host; process 0 (the leader) serves, the others follow its steps (lockstep.py).
 """

@@ -31,7 +31,7 @@ class Partial(NamedTuple):
 
     o: jax.Array  # [b, t, heads, hd] float32: sum over keys of exp(score - m) * v
     m: jax.Array  # [b, t, heads] float32: the largest score seen (-inf before any key)
-    l: jax.Array  # [b, t, heads] float32: sum over keys of exp(score - m)
+    total: jax.Array  # [b, t, heads] float32: sum over keys of exp(score - m)
 
 
 def empty(b: int, t: int, heads: int, hd: int) -> Partial:
@@ -47,14 +47,14 @@ def merge(a: Partial, b: Partial) -> Partial:
     """The attention over the union of two disjoint key sets (the online-softmax rule)."""
     m = jnp.maximum(a.m, b.m)
     sa, sb = jnp.exp(a.m - _safe(m)), jnp.exp(b.m - _safe(m))
-    return Partial(a.o * sa[..., None] + b.o * sb[..., None], m, a.l * sa + b.l * sb)
+    return Partial(a.o * sa[..., None] + b.o * sb[..., None], m, a.total * sa + b.total * sb)
 
 
 def merge_across(p: Partial, axis: str) -> Partial:
     """Merges the partials that the devices of `axis` hold for the same queries (each saw other keys)."""
     m = jax.lax.pmax(p.m, axis)
     scale = jnp.exp(p.m - _safe(m))
-    return Partial(jax.lax.psum(p.o * scale[..., None], axis), m, jax.lax.psum(p.l * scale, axis))
+    return Partial(jax.lax.psum(p.o * scale[..., None], axis), m, jax.lax.psum(p.total * scale, axis))
 
 
 def scatter_across(p: Partial, axis: str, n: int) -> Partial:
@@ -65,12 +65,12 @@ def scatter_across(p: Partial, axis: str, n: int) -> Partial:
     t = p.m.shape[1] // n
     mine = jax.lax.dynamic_slice_in_dim(m, jax.lax.axis_index(axis) * t, t, axis=1)
     return Partial(jax.lax.psum_scatter(p.o * scale[..., None], axis, scatter_dimension=1, tiled=True), mine,
-                   jax.lax.psum_scatter(p.l * scale, axis, scatter_dimension=1, tiled=True))
+                   jax.lax.psum_scatter(p.total * scale, axis, scatter_dimension=1, tiled=True))
 
 
 def finish(p: Partial, dtype: Any) -> jax.Array:
     """The normalised output [b, t, heads, hd]; queries that saw no key get zeros."""
-    return (p.o / jnp.where(p.l == 0, 1.0, p.l)[..., None]).astype(dtype)
+    return (p.o / jnp.where(p.total == 0, 1.0, p.total)[..., None]).astype(dtype)
 
 
 def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array, scale: float, *,
