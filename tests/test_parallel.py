@@ -19,7 +19,7 @@ from jaxserve.model.transformer import forward
 from jaxserve.model.weights import random_weights
 from jaxserve.parallel import distributed, lockstep, sharding
 from jaxserve.parallel.mesh import MeshPlan, make_mesh
-from jaxserve.parallel.ring import ring_attention, zigzag_order
+from jaxserve.parallel.ring import ring_attention, ring_attention_sharded, zigzag_order
 from pallas_kernels.flash_attention.reference import flash_attention
 
 needs_12 = pytest.mark.skipif(jax.device_count() < 12, reason="needs 12 devices (XLA_FLAGS, see tests/conftest.py)")
@@ -130,6 +130,21 @@ def test_ring_attention_equals_the_reference(causal, length):
     q = jax.random.normal(kq, (2, length, 6, 16))
     k, v = jax.random.normal(kk, (2, length, 2, 16)), jax.random.normal(kv, (2, length, 2, 16))
     out = ring_attention(q, k, v, mesh=mesh, causal=causal)
+    np.testing.assert_allclose(out, flash_attention(q, k, v, causal=causal), atol=2e-6, rtol=1e-5)
+
+
+@needs_12
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_ring_attention_equals_the_reference(causal):
+    """Blocks of 8 keys in tiles of 4: tiles above a diagonal are skipped, the rest merge online."""
+    mesh = jax.make_mesh((4,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(kq, (1, 64, 4, 16))
+    k, v = jax.random.normal(kk, (1, 64, 2, 16)), jax.random.normal(kv, (1, 64, 2, 16))
+    order = zigzag_order(64, 4) if causal else np.arange(64)
+    pos = jnp.asarray(order, jnp.int32)[None]
+    ring = ring_attention_sharded(mesh, causal=causal, tile=4)
+    out = ring(q[:, order], k[:, order], v[:, order], pos, pos < 64)[:, np.argsort(order)]
     np.testing.assert_allclose(out, flash_attention(q, k, v, causal=causal), atol=2e-6, rtol=1e-5)
 
 

@@ -90,6 +90,40 @@ def block_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array
                    jnp.einsum("bkgq->bqkg", jnp.sum(p, axis=-1)).reshape(b, tq, h))
 
 
+def positional_attention(q: jax.Array, q_pos: jax.Array, k: jax.Array, v: jax.Array, kv_pos: jax.Array,
+                         kv_valid: jax.Array, *, causal: bool, scale: float, diagonal: bool = False,
+                         tile: int | None = None) -> Partial:
+    """block_attention with the mask made from positions (q_pos [b, tq], kv_pos and kv_valid [b, tk]).
+
+    With `tile`, queries and keys go tile by tile (queries mapped, keys looped with the online rule), so
+    memory grows with tile * tile, not tq * tk; `diagonal` (q and k the same chunk, positions rising)
+    then skips the tiles above the diagonal, which causality masks entirely."""
+    b, tq, h, hd = q.shape
+    tk = k.shape[1]
+
+    def mask(qp: jax.Array, kp: jax.Array, kval: jax.Array) -> jax.Array:
+        visible = jnp.broadcast_to(kval[:, None, :], (b, qp.shape[1], kp.shape[1]))
+        return visible & (kp[:, None, :] <= qp[:, :, None]) if causal else visible
+
+    if tile is None or (tq <= tile and tk <= tile):
+        return block_attention(q, k, v, mask(q_pos, kv_pos, kv_valid), scale)
+    if tq % tile or tk % tile or (diagonal and tq != tk):
+        raise ValueError(f"tiled attention needs {tq=} and {tk=} to be multiples of {tile=} (and equal if diagonal)")
+
+    def one_query_tile(i: jax.Array) -> Partial:
+        qt = jax.lax.dynamic_slice_in_dim(q, i * tile, tile, axis=1)
+        qp = jax.lax.dynamic_slice_in_dim(q_pos, i * tile, tile, axis=1)
+
+        def key_tile(j: jax.Array, acc: Partial) -> Partial:
+            kt, vt, kp, kval = (jax.lax.dynamic_slice_in_dim(x, j * tile, tile, axis=1) for x in (k, v, kv_pos, kv_valid))
+            return merge(acc, block_attention(qt, kt, vt, mask(qp, kp, kval), scale))
+
+        return jax.lax.fori_loop(0, i + 1 if diagonal else tk // tile, key_tile, empty(b, tile, h, hd))
+
+    tiles = jax.lax.map(one_query_tile, jnp.arange(tq // tile))  # [tiles, b, tile, ...]
+    return Partial(*(jnp.moveaxis(x, 0, 1).reshape(b, tq, *x.shape[3:]) for x in tiles))
+
+
 def zigzag_order(length: int, n: int) -> np.ndarray:
     """The token order that gives device s chunks s and 2n-1-s of 2n equal chunks; `length` % 2n == 0."""
     if length % (2 * n):
@@ -113,24 +147,25 @@ def ring_attention_shard(
     store: Callable[[Any, Block], Any] | None = None,
     stored: Any = None,
     communicate: bool = True,
+    tile: int | None = None,
 ) -> tuple[Partial, Any]:
     """Ring attention inside shard_map over `axis` (n devices). Query i sees key j where kv_valid[j] and, if
     causal, kv_pos[j] <= q_pos[i]. `store(stored, block)` is called with every block that visits this
     device (its own first) and its result threaded on: the engine writes K/V into its pages there.
-    With communicate=False the blocks stay put (same work, no ppermute): for timing the overlap."""
+    With communicate=False the blocks stay put (same work, no ppermute): for timing the overlap. `tile`: see
+    positional_attention (long blocks)."""
     b, tq, h, hd = q.shape
     acc = empty(b, tq, h, hd)
     me = jax.lax.axis_index(axis)
     ring = [(i, (i + 1) % n) for i in range(n)]
 
-    def attend(acc: Partial, at: int | jax.Array, size: int, blk: Block, lo: int, hi: int) -> Partial:
+    def attend(acc: Partial, at: int | jax.Array, size: int, blk: Block, lo: int, hi: int,
+               diagonal: bool = False) -> Partial:
         """Merges queries [at, at + size) against keys [lo, hi) of blk into acc."""
         qs = jax.lax.dynamic_slice_in_dim(q, at, size, axis=1)
         qp = jax.lax.dynamic_slice_in_dim(q_pos, at, size, axis=1)
         k, v, kp, kval = (x[:, lo:hi] for x in blk[:4])
-        visible = kval[:, None, :] & (kp[:, None, :] <= qp[:, :, None]) if causal else \
-            jnp.broadcast_to(kval[:, None, :], (b, size, hi - lo))
-        part = block_attention(qs, k, v, visible, scale)
+        part = positional_attention(qs, qp, k, v, kp, kval, causal=causal, scale=scale, diagonal=diagonal, tile=tile)
         cur = Partial(*(jax.lax.dynamic_slice_in_dim(x, at, size, axis=1) for x in acc))
         return Partial(*(jax.lax.dynamic_update_slice_in_dim(x, y, at, axis=1) for x, y in zip(acc, merge(cur, part))))
 
@@ -143,8 +178,9 @@ def ring_attention_shard(
     if store is not None:
         stored = store(stored, block)
     if causal:  # own chunks: early x early (diagonal), late x early, late x late (diagonal)
-        acc = attend(acc, 0, tq // 2, block, 0, tk // 2)
-        acc = attend(acc, tq // 2, tq - tq // 2, block, 0, tk)
+        acc = attend(acc, 0, tq // 2, block, 0, tk // 2, diagonal=True)
+        acc = attend(acc, tq // 2, tq // 2, block, 0, tk // 2)
+        acc = attend(acc, tq // 2, tq // 2, block, tk // 2, tk, diagonal=True)
     else:
         acc = attend(acc, 0, tq, block, 0, tk)
 
@@ -154,7 +190,7 @@ def ring_attention_shard(
             stored = store(stored, block)
         if not causal:
             return attend(acc, 0, tq, block, 0, tk), stored
-        acc = attend(acc, tq // 2, tq - tq // 2, block, 0, tk // 2)  # late x visiting early: all visible
+        acc = attend(acc, tq // 2, tq // 2, block, 0, tk // 2)  # late x visiting early: all visible
         earlier = (me - i) % n < me  # the visitor's chunks both precede ours, or both its chunks follow
         k0, k1 = (jax.tree_util.tree_map(lambda x: x[:, :tk // 2], block),
                   jax.tree_util.tree_map(lambda x: x[:, tk // 2:], block))
@@ -174,7 +210,7 @@ def ring_attention_shard(
 
 
 def ring_attention_sharded(mesh: Mesh, *, axis: str = "seq", causal: bool = True, sm_scale: float | None = None,
-                           communicate: bool = True) -> Callable[..., jax.Array]:
+                           communicate: bool = True, tile: int | None = None) -> Callable[..., jax.Array]:
     """f(q, k, v, pos, valid) -> out, all sharded along tokens (axis 1) over `axis` and laid out in
     zig-zag order when causal: the ring without any reordering, as the engine and the benchmark use it."""
     n = mesh.shape[axis]
@@ -183,7 +219,7 @@ def ring_attention_sharded(mesh: Mesh, *, axis: str = "seq", causal: bool = True
     def body(q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, valid: jax.Array) -> jax.Array:
         scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
         acc, _ = ring_attention_shard(q, pos, (k, v, pos, valid), axis=axis, n=n, causal=causal, scale=scale,
-                                      communicate=communicate)
+                                      communicate=communicate, tile=tile)
         return finish(acc, q.dtype)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 5, out_specs=tokens, check_vma=False)
