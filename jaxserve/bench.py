@@ -8,19 +8,23 @@ import time
 from typing import Any
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.step import build_engine
+from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams
+from jaxserve.step import build_engine, release_followers, sequence_parallel_chunks
 
 
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,
                  page_size: int = 16, chunk_buckets: tuple[int, ...] = (32, 128, 256),
-                 prefill_rows: tuple[int, ...] = (1, 2, 8), attention: str = "auto") -> EngineConfig:
+                 prefill_rows: tuple[int, ...] = (1, 2, 8), attention: str = "auto",
+                 parallel: ParallelConfig | None = None) -> EngineConfig:
     """Slots and pages for the load; decode steps attend over page tables of 1, 2, 4, ... pages."""
+    parallel = parallel or ParallelConfig()
     slots = max_slots or min(num_requests, 64)
     pages_per_slot = -(-(input_len + output_len) // page_size)
+    pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=chunk_buckets, prefill_rows=prefill_rows,
-                        attention=attention, decode_page_buckets=_powers_of_two_below(pages_per_slot))
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=sequence_parallel_chunks(chunk_buckets, parallel.sp),
+                        prefill_rows=prefill_rows, attention=attention,
+                        decode_page_buckets=_powers_of_two_below(pages_per_slot), parallel=parallel)
 
 
 def _powers_of_two_below(n: int) -> tuple[int, ...]:
@@ -42,6 +46,7 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start
+    release_followers(engine)
     ttft = [r.token_times[0] - r.submitted_at for r in requests]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
     output_tokens = sum(len(r.output_ids) for r in requests)

@@ -36,22 +36,65 @@ def _add_attention_arg(p: argparse.ArgumentParser) -> None:
                         "kernel family by name (mosaic_gpu, mosaic_tpu; interpreted off their platform)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """--tp/--sp/--dp and the multi-host flags, for every command that runs a model."""
+    g = p.add_argument_group("devices and hosts")
+    g.add_argument("--tp", type=int, default=None, help="tensor parallelism: devices that split heads, FFN, vocabulary")
+    g.add_argument("--sp", type=int, default=None,
+                   help="sequence parallelism: devices that split the KV pages and run ring-attention prefill")
+    g.add_argument("--dp", type=int, default=None, help="data parallelism (one engine serves dp=1)")
+    g.add_argument("--coordinator-address", default=None, help="HOST:PORT of process 0 (multi-host)")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the group, one per host")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index; 0 serves, the others follow")
+
+
+def parallel_from_args(args: argparse.Namespace, base: Any = None) -> Any:
+    """`base` (a ParallelConfig; default 1 x 1 x 1) with the given --tp/--sp/--dp."""
+    import dataclasses
+
+    from jaxserve.config import ParallelConfig
+
+    given = {name: getattr(args, name) for name in ("tp", "sp", "dp") if getattr(args, name, None) is not None}
+    return dataclasses.replace(base or ParallelConfig(), **given)
+
+
+def start_distributed(args: argparse.Namespace, base: Any = None) -> bool:
+    """Joins the multi-host group from `base` (a DistributedConfig), the flags and the environment; True
+    when there is more than one process. Call it before anything else asks JAX for devices."""
+    import dataclasses
+    import os
+
+    from jaxserve.config import DistributedConfig
+    from jaxserve.parallel.distributed import initialize
+
+    given = {name: getattr(args, name) for name in ("coordinator_address", "num_processes", "process_id")
+             if getattr(args, name, None) is not None}
+    return initialize(dataclasses.replace(base or DistributedConfig(), **given), os.environ)
+
+
+def is_follower() -> bool:
+    import jax
+
+    return jax.process_index() != 0
+
+
 def _load(args: argparse.Namespace) -> Any:
     from jaxserve.checkpoint import load_model
 
     dtype = args.dtype or _default_dtype()
     start = time.perf_counter()
-    model = load_model(args.model, dtype=dtype)
+    model = load_model(args.model, dtype=dtype, on_host=parallel_from_args(args).num_devices > 1)
     log.info("loaded %s as %s in %.1f s", model.source, dtype, time.perf_counter() - start)
     return model
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.config import SamplingParams
-    from jaxserve.step import build_engine, engine_config_for
+    from jaxserve.step import StepRunner, build_engine, engine_config_for, release_followers
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
+    start_distributed(args)
     model = _load(args)
     tok = model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompts]
@@ -61,10 +104,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"prompt of {len(p)} tokens plus max_tokens={params.max_tokens} exceeds the model's context of "
                 f"{model.config.max_position_embeddings} tokens; shorten the prompt or lower max_tokens"
             )
-    engine = build_engine(model, engine_config_for([len(p) for p in prompts], params.max_tokens,
-                                                   attention=args.attention or "auto"))
+    engine_cfg = engine_config_for([len(p) for p in prompts], params.max_tokens, attention=args.attention or "auto",
+                                   parallel=parallel_from_args(args))
+    if is_follower():
+        StepRunner(model, engine_cfg).follow()
+        return 0
+    engine = build_engine(model, engine_cfg)
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * len(prompts))
+    release_followers(engine)
     for text_in, r in zip(args.prompts, requests):
         if args.json:
             print(json.dumps({"prompt": text_in, "text": r.text, "token_ids": r.output_ids,
@@ -115,21 +163,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, **overrides)
     if args.attention is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, attention=args.attention))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, parallel=parallel_from_args(args, cfg.engine.parallel)))
+    start_distributed(args, cfg.distributed)
     dtype = cfg.dtype or _default_dtype()
+    sharded = cfg.engine.parallel.num_devices > 1
+    if is_follower():  # a multi-host follower serves nothing: it runs the leader's steps
+        from jaxserve.checkpoint import load_model
+        from jaxserve.step import StepRunner
+
+        StepRunner(load_model(cfg.model, dtype=dtype, on_host=sharded), cfg.engine).follow()
+        return 0
+    engines = []
 
     def load() -> tuple[Any, Any]:
         from jaxserve.checkpoint import load_model
         from jaxserve.server.server import model_info
         from jaxserve.step import build_engine
 
-        model = load_model(cfg.model, dtype=dtype)
+        model = load_model(cfg.model, dtype=dtype, on_host=sharded)
         engine = build_engine(model, cfg.engine)
+        engines.append(engine)
         return engine, model_info(model, engine, cfg, dtype=dtype)
 
-    from jaxserve.step import compilation_count
+    from jaxserve.step import compilation_count, release_followers
 
     logging.getLogger("jaxserve.server").setLevel(logging.INFO)
-    return serve(cfg, load, compilations=compilation_count)
+    code = serve(cfg, load, compilations=compilation_count)
+    for engine in engines:
+        release_followers(engine)
+    return code
 
 
 def cmd_client_generate(args: argparse.Namespace) -> int:
@@ -167,9 +229,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in ("num_requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    start_distributed(args)
     model = _load(args)
     cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
-                       attention=args.attention or "auto")
+                       attention=args.attention or "auto", parallel=parallel_from_args(args))
+    if is_follower():
+        from jaxserve.step import StepRunner
+
+        StepRunner(model, cfg).follow()
+        return 0
     result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg)
     if args.json:
         print(json.dumps(result))
@@ -194,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue one or more prompts")
     _add_model_args(gen)
     _add_attention_arg(gen)
+    add_parallel_args(gen)
     sampling(gen)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
@@ -208,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="offline throughput and latency through the engine")
     _add_model_args(bench)
     _add_attention_arg(bench)
+    add_parallel_args(bench)
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=64)
@@ -218,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) until SIGTERM")
     _add_model_args(serve)
     _add_attention_arg(serve)
+    add_parallel_args(serve)
     serve.add_argument("--config", default=None, help="ServerConfig YAML, e.g. configs/serve.yaml (default: built-in)")
     serve.add_argument("--host", default=None, help="address to listen on (default from the config: 0.0.0.0)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default from the config: 50051)")

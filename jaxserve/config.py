@@ -200,6 +200,47 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas", "mosaic_gpu", "mosaic_tpu")
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Mesh sizes: `tp` devices split heads, FFN and vocabulary (axis `model`), `sp` split the sequence
+    (axis `seq`: ring-attention prefill, KV pages striped across devices), `dp` copies the rest (`data`)."""
+
+    tp: int = 1
+    sp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "sp", "dp"):
+            if getattr(self, name) < 1:
+                raise JaxserveError(f"parallel {name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.tp * self.sp * self.dp
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """Multi-host start-up (`jax.distributed.initialize`). Unset fields default from the environment:
+    JAXSERVE_COORDINATOR_ADDRESS / JAXSERVE_NUM_PROCESSES / JAXSERVE_PROCESS_ID, else a LeaderWorkerSet
+    pod's LWS_LEADER_ADDRESS (port 8476) / LWS_GROUP_SIZE / LWS_WORKER_INDEX (see jaxserve.parallel.distributed)."""
+
+    coordinator_address: str | None = None  # HOST:PORT of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        if self.num_processes is not None and self.num_processes < 1:
+            raise JaxserveError(f"num_processes must be at least 1, got {self.num_processes}")
+        if self.process_id is not None and self.process_id < 0:
+            raise JaxserveError(f"process_id must be >= 0, got {self.process_id}")
+        if self.process_id is not None and self.num_processes is not None and self.process_id >= self.num_processes:
+            raise JaxserveError(f"process_id={self.process_id} must be below num_processes={self.num_processes}")
+        if self.initialization_timeout_s < 1:
+            raise JaxserveError(f"initialization_timeout_s must be at least 1, got {self.initialization_timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Sizes of the engine: slots, the page pool, and the compiled prefill chunk buckets."""
 
@@ -217,6 +258,7 @@ class EngineConfig:
     decode_page_buckets: tuple[int, ...] = ()
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "num_pages", "max_pages_per_slot"):
@@ -235,6 +277,13 @@ class EngineConfig:
             raise JaxserveError(
                 f"num_pages={self.num_pages} cannot hold even one full slot of max_pages_per_slot={self.max_pages_per_slot}"
             )
+        sp = self.parallel.sp
+        if sp > 1 and self.num_pages % sp:
+            raise JaxserveError(f"num_pages={self.num_pages} must be a multiple of sp={sp}: the page pool is split "
+                                f"evenly over the devices of the sequence axis")
+        if sp > 1 and any(c % (2 * sp) for c in self.chunk_buckets):
+            raise JaxserveError(f"chunk_buckets={self.chunk_buckets} must be multiples of 2 * sp={2 * sp}: ring "
+                                f"attention gives each device two equal blocks of every prefill chunk")
 
     @property
     def max_seq_len(self) -> int:
@@ -295,6 +344,7 @@ class ServerConfig:
     model: str | None = None  # GGUF file, HF or orbax directory; None serves the embedded SmolLM2
     dtype: str | None = None  # float32 or bfloat16; None: float32 on CPU, bfloat16 on GPU/TPU
     engine: EngineConfig = field(default_factory=EngineConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     max_waiting: int = 64  # requests admitted beyond the running slots; past it, RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000  # the hint sent with RESOURCE_EXHAUSTED when the queue is full
     drain_timeout_s: float = 30.0  # on SIGTERM, how long in-flight calls get to finish

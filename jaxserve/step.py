@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -19,13 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig
 from jaxserve.engine.batch import NUM_TOP, StepInput, StepOutput
 from jaxserve.engine.engine import Engine
+from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.sampler import sample
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
+from jaxserve.parallel import sharding
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class DeviceState(NamedTuple):
 
 
 def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
-            cfg: ModelConfig, attention: str = "auto") -> tuple[jax.Array, DeviceState]:
+            cfg: ModelConfig, attention: str | AttentionFn = "auto") -> tuple[jax.Array, DeviceState]:
     """One forward over a bucket plus sampling; returns one packed array [rows, 2 + 2 * NUM_TOP]."""
     fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
     first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
@@ -76,7 +79,13 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
 
 
 class StepRunner:
-    """Owns the device state (weights, KV pages) and the compiled steps."""
+    """Owns the device state (weights, KV pages) and the compiled steps.
+
+    With `cfg.parallel` over more than one device, a MeshPlan (jaxserve.parallel) lays the weights,
+    the pages and each bucket's inputs out on the mesh and the step attends through its MeshAttention;
+    with several processes, every step is broadcast to the followers first (jaxserve.parallel.lockstep).
+    On one device none of that exists and the step is exactly the single-device one.
+    """
 
     def __init__(self, model: LoadedModel, cfg: EngineConfig, *, cache_dtype: Any = None) -> None:
         self.model_cfg = model.config
@@ -86,26 +95,76 @@ class StepRunner:
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        self.state = DeviceState(KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype),
-                                 jnp.zeros(cfg.max_slots, jnp.int32))
+        self.plan = None
+        self.lockstep = None
+        if cfg.parallel.num_devices > 1:
+            from jaxserve.parallel.lockstep import Lockstep
+            from jaxserve.parallel.mesh import MeshPlan
+
+            self.plan = MeshPlan.build(model.config, model.weights, cfg)
+            self.model_cfg, self.weights = self.plan.model_cfg, self.plan.weights
+            self.lockstep = Lockstep(cfg.max_slots) if jax.process_count() > 1 else None
+            self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
+                                     jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
+        else:
+            self.state = DeviceState(KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype),
+                                     jnp.zeros(cfg.max_slots, jnp.int32))
         full = cfg.max_pages_per_slot
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
                               | {(r, c, full) for r, c in cfg.prefill_buckets})
         self._compiled: dict[tuple[int, int, int], Any] = {}
-        jitted = jax.jit(lambda w, c, i: step_fn(w, c, i, cfg=model.config, attention=cfg.attention), donate_argnums=(1,))
+        attention = self.plan.attention if self.plan else cfg.attention
+        step = partial(step_fn, cfg=self.model_cfg, attention=attention)
         start = time.perf_counter()
         for bucket in self.buckets:
-            example = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
-            self._compiled[bucket] = jitted.lower(self.weights, self.state, vars(example)).compile()
+            example: dict[str, Any] = vars(StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots))
+            if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
+                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in example.items()}
+            self._compiled[bucket] = self._jit(step, bucket).lower(self.weights, self.state, example).compile()
         log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
+
+    def _jit(self, step: Callable[..., Any], bucket: tuple[int, int, int]) -> Any:
+        if self.plan is None:
+            return jax.jit(step, donate_argnums=(1,))
+        state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
+        weights = jax.tree_util.tree_map(lambda x: x.sharding, self.weights)
+        return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, state, self.plan.input_shardings(bucket)),
+                       out_shardings=(self.plan.replicated(), state))
 
     def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]:
         """Enqueues a step on the device and returns at once; calling the result waits and copies it back."""
-        compiled = self._compiled.get(inp.shape)
-        if compiled is None:
+        if inp.shape not in self._compiled:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
-        packed, self.state = compiled(self.weights, self.state, vars(inp))
+        if self.lockstep is not None:
+            self.lockstep.send(inp)
+        packed = self._run(inp)
+        if self.plan is not None:
+            return lambda: StepOutput.unpack(np.asarray(packed.addressable_data(0)))
         return lambda: StepOutput.unpack(np.asarray(packed))
+
+    def _run(self, inp: StepInput) -> jax.Array:
+        compiled = self._compiled[inp.shape]
+        if self.plan is None:
+            packed, self.state = compiled(self.weights, self.state, vars(inp))
+            return packed
+        arrays = vars(self.plan.reorder(inp))
+        if self.lockstep is not None:  # a mesh over processes takes global arrays; each process gives its shards
+            shardings = self.plan.input_shardings(inp.shape)
+            arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
+        packed, self.state = compiled(self.weights, self.state, arrays)
+        return packed
+
+    def follow(self) -> None:
+        """A follower's loop: runs each step the leader broadcasts, until the leader closes."""
+        assert self.lockstep is not None and not self.lockstep.is_leader, "only a follower process follows"
+        while (inp := self.lockstep.receive()) is not None:
+            self._run(inp)
+        jax.block_until_ready(self.state)
+
+    def close(self) -> None:
+        """Releases the followers (multi-host leader); nothing to do otherwise."""
+        if self.lockstep is not None:
+            self.lockstep.close()
 
 
 def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
@@ -114,13 +173,29 @@ def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
                   context_len=model.config.max_position_embeddings)
 
 
+def release_followers(engine: Engine) -> None:
+    """Tells the follower processes of a multi-host group that the leader is done; nothing on one process."""
+    if isinstance(engine.runner, StepRunner):
+        engine.runner.close()
+
+
 def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int = 16, max_slots: int = 16,
-                      chunk_sizes: tuple[int, ...] = (16, 64, 256), attention: str = "auto") -> EngineConfig:
+                      chunk_sizes: tuple[int, ...] = (16, 64, 256), attention: str = "auto",
+                      parallel: ParallelConfig | None = None) -> EngineConfig:
     """An engine just big enough for a known set of prompts (CLI generate, benchmarks, tests)."""
+    parallel = parallel or ParallelConfig()
+    chunk_sizes = sequence_parallel_chunks(chunk_sizes, parallel.sp)
     longest = max(prompt_lens) + max_tokens
     pages_per_slot = -(-longest // page_size)
+    pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
     slots = max(1, min(len(prompt_lens), max_slots))
     needed = max(prompt_lens)
     buckets = tuple(c for c in chunk_sizes if c < needed) + (next((c for c in chunk_sizes if c >= needed), chunk_sizes[-1]),)
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=buckets, attention=attention)
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=buckets, attention=attention, parallel=parallel)
+
+
+def sequence_parallel_chunks(chunk_sizes: tuple[int, ...], sp: int) -> tuple[int, ...]:
+    """Chunk sizes rounded up to multiples of 2 * sp (ring attention's zig-zag blocks) when sp > 1."""
+    unit = 2 * sp if sp > 1 else 1
+    return tuple(sorted({-(-c // unit) * unit for c in chunk_sizes}))

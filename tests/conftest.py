@@ -8,6 +8,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Twelve CPU devices for the mesh tests (tests/test_parallel*.py), set before anything imports jax. Other
+# tests run on the first device as before; on a GPU or TPU the flag changes nothing.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=12".strip()
 
 
 @pytest.fixture(scope="session")

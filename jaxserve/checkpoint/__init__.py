@@ -57,8 +57,9 @@ def embedded_model_path() -> str:
     return str(resource)
 
 
-def load_model(path: str | None = None, *, dtype: Any = np.float32) -> LoadedModel:
-    """Loads a model from `path` (see the module table) and puts its weights on the device as `dtype`."""
+def load_model(path: str | None = None, *, dtype: Any = np.float32, on_host: bool = False) -> LoadedModel:
+    """Loads a model from `path` (see the module table) and puts its weights on the device as `dtype`;
+    with `on_host` they stay numpy arrays, for a sharded engine to place them on its mesh."""
     import jax
     import jax.numpy as jnp
 
@@ -88,7 +89,7 @@ def load_model(path: str | None = None, *, dtype: Any = np.float32) -> LoadedMod
         check_shapes(config, weights)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
-    return LoadedModel(config, jax.tree_util.tree_map(jnp.asarray, weights), tokenizer, path)
+    return LoadedModel(config, weights if on_host else jax.tree_util.tree_map(jnp.asarray, weights), tokenizer, path)
 
 
 def save_model(model: LoadedModel, directory: str) -> None:
@@ -114,7 +115,9 @@ def _load_orbax(directory: str, dtype: Any) -> LoadedModel:
     with open(os.path.join(directory, _ORBAX_MARKER)) as f:
         config = ModelConfig.from_dict(json.load(f)["config"])
     specs = Weights.abstract(config)
-    target = _to_tree(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec))
+    local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # every process of a group reads it whole
+    target = _to_tree(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=local), specs,
+                                             is_leaf=is_spec))
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(directory, "weights"), target)
     except Exception as e:

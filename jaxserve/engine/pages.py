@@ -24,27 +24,40 @@ class PageAllocator:
 
     Only full pages are ever registered, and a request writes only at or after its computed
     length, so a shared page is never written: sharing needs no copy-on-write.
+
+    With `shards` > 1 the pool is split into that many blocks of consecutive page ids, one per
+    device of the sequence axis, and a request's i-th page comes from block i % shards: every row's
+    pages are striped over the devices, which attend to their own stripe (jaxserve.parallel).
+    A cached prefix page keeps its index, so sharing keeps the stripes.
     """
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, shards: int = 1) -> None:
+        assert num_pages % shards == 0, (num_pages, shards)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.shards = shards
         self.refs = [0] * num_pages
-        self._free = list(range(num_pages - 1, -1, -1))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        per_shard = num_pages // shards
+        self._free = [list(range((s + 1) * per_shard - 1, s * per_shard - 1, -1)) for s in range(shards)]
+        self._evictable: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(shards)]
         self._page_of: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
+
+    def _shard(self, page: int) -> int:
+        return page * self.shards // self.num_pages
 
     @property
     def num_available(self) -> int:
         """Pages that `allocate` can hand out: free ones plus cached ones nobody uses."""
-        return len(self._free) + len(self._evictable)
+        return sum(len(f) for f in self._free) + sum(len(e) for e in self._evictable)
 
-    def allocate(self) -> int | None:
-        if self._free:
-            page = self._free.pop()
-        elif self._evictable:
-            page, _ = self._evictable.popitem(last=False)
+    def allocate(self, index: int = 0) -> int | None:
+        """A page for a request's `index`-th page (which picks the shard), or None if that shard is full."""
+        free, evictable = self._free[index % self.shards], self._evictable[index % self.shards]
+        if free:
+            page = free.pop()
+        elif evictable:
+            page, _ = evictable.popitem(last=False)
             del self._page_of[self._hash_of.pop(page)]
         else:
             return None
@@ -56,9 +69,9 @@ class PageAllocator:
         self.refs[page] -= 1
         if self.refs[page] == 0:
             if page in self._hash_of:
-                self._evictable[page] = None
+                self._evictable[self._shard(page)][page] = None
             else:
-                self._free.append(page)
+                self._free[self._shard(page)].append(page)
 
     def lookup(self, page_hash: int) -> int | None:
         """Takes a reference to the cached page with this prefix hash, if there is one."""
@@ -66,7 +79,7 @@ class PageAllocator:
         if page is None:
             return None
         if self.refs[page] == 0:
-            del self._evictable[page]
+            del self._evictable[self._shard(page)][page]
         self.refs[page] += 1
         return page
 
@@ -78,9 +91,11 @@ class PageAllocator:
 
     def check(self) -> None:
         """Asserts the pool's invariants (for tests)."""
-        free, evictable = set(self._free), set(self._evictable)
-        assert len(free) == len(self._free), "a page is free twice"
+        free_list = [p for f in self._free for p in f]
+        free, evictable = set(free_list), {p for e in self._evictable for p in e}
+        assert len(free) == len(free_list), "a page is free twice"
         assert not free & evictable
+        assert all(self._shard(p) == s for s, f in enumerate(self._free) for p in f), "a page is free in another shard"
         for page in range(self.num_pages):
             assert self.refs[page] >= 0
             if self.refs[page] == 0:

@@ -55,7 +55,7 @@ class Committed:
 class Scheduler:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.pages = PageAllocator(cfg.num_pages, cfg.page_size)
+        self.pages = PageAllocator(cfg.num_pages, cfg.page_size, shards=cfg.parallel.sp)
         self.slots = SlotTable(cfg.max_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -154,7 +154,7 @@ class Scheduler:
     def _reserve(self, request: Request, upto: int, plan: StepPlan) -> bool:
         """Gives `request` pages for positions < upto, preempting later arrivals; False if it was preempted."""
         while len(request.pages) * self.cfg.page_size < upto:
-            page = self.pages.allocate()
+            page = self.pages.allocate(len(request.pages))
             if page is not None:
                 request.pages.append(page)
                 continue

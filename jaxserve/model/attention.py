@@ -8,6 +8,8 @@ kernels where they exist for the platform (GPU, TPU) and XLA elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -16,6 +18,31 @@ from pallas_kernels.flash_attention import paged_flash_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 FLASH_BLOCK_Q = 128  # the flash kernels tile queries by 128 positions; shorter chunks are padded
+
+# (q, k, v, k_pages, v_pages, write_at, page_table, positions, valid) -> (out, k_pages, v_pages); see `update_and_attend`.
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def write_pages(k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages: jax.Array,
+                offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Writes k, v [b, t, kv_heads, hd] at (pages, offsets) [b, t]; a page id past the pool drops the token."""
+    pages, offsets = pages.reshape(-1), offsets.reshape(-1)
+    flat = (k.shape[0] * k.shape[1], *k.shape[2:])  # [tokens, kv_heads, head_dim]
+    k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
+    return k_pages, v_pages
+
+
+def update_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, positions: jax.Array,
+                      valid: jax.Array, *, backend: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes k, v at write_at = (pages, offsets) [b, t], then attends q [b, t, heads, hd] over the pages
+    -> (out [b, t, heads, hd], k_pages, v_pages).
+
+    One layer's whole use of its cache; a sharded model swaps in another function of the same
+    signature (jaxserve.parallel.attention)."""
+    k_pages, v_pages = write_pages(k, v, k_pages, v_pages, *write_at)
+    return attend(q, k_pages, v_pages, page_table, positions, valid, backend=backend), k_pages, v_pages
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, positions: jax.Array,

@@ -9,6 +9,7 @@ latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.model.attention import attend
+from jaxserve.model.attention import AttentionFn, update_and_attend
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.weights import Layer, Weights
 
@@ -82,7 +83,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 def _layer(
     cfg: ModelConfig, w: Layer, x: jax.Array, positions: jax.Array, valid: jax.Array, k_pages: jax.Array,
     v_pages: jax.Array, write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, inv_freq: np.ndarray,
-    attention: str,
+    attention: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
@@ -90,11 +91,7 @@ def _layer(
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        pages, offsets = write_at
-        flat = (x.shape[0] * x.shape[1], *k.shape[2:])  # [tokens, kv_heads, head_dim]
-        k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
-        v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
-        attn = attend(q, k_pages, v_pages, page_table, positions, valid, backend=attention)
+        attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
         x = x + linear(attn, w.wo, in_axes=2)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
@@ -113,17 +110,20 @@ def forward(
     *,
     logit_indices: jax.Array | None = None,  # [b]: compute logits only at this index of each row
     return_hidden: bool = False,
-    attention: str = "auto",  # "auto", "reference" or "pallas" (see jaxserve.model.attention)
+    attention: str | AttentionFn = "auto",  # "auto", "reference", "pallas" (jaxserve.model.attention) or a function
 ) -> ForwardOutput:
     """Runs the decoder over `tokens`, writing their K/V into the pages of `cache` at `positions`.
 
     With `logit_indices`, logits are [b, 1, vocab] for the given index of each row (a prefill
     needs only its last token's), which skips the output head for every other position.
+    `attention` names the backend of `update_and_attend`, or is a function with its signature (a
+    sharded model's, from jaxserve.parallel).
     """
+    attention_fn = partial(update_and_attend, backend=attention) if isinstance(attention, str) else attention
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     size = cache.page_size
     page_of = jnp.take_along_axis(page_table, positions // size, axis=1)
-    write_at = (jnp.where(valid, page_of, cache.num_pages).reshape(-1), (positions % size).reshape(-1))
+    write_at = (jnp.where(valid, page_of, cache.num_pages), positions % size)
     x = jnp.take(weights.embed, tokens, axis=0)
     hidden = []
     ks, vs = [], []
@@ -132,7 +132,7 @@ def forward(
             hidden.append(x)
         with jax.named_scope(f"layer_{i}"):
             x, k_i, v_i = _layer(cfg, layer, x, positions, valid, cache.k[i], cache.v[i], write_at, page_table,
-                                     inv_freq, attention)
+                                 inv_freq, attention_fn)
         ks.append(k_i)
         vs.append(v_i)
     if logit_indices is not None:

@@ -1,0 +1,125 @@
+"""Logical-axis rules: every weight and cache axis has a name (`Weights.abstract`, `CACHE_AXES`), and
+one table maps each name to a mesh axis or to None (kept whole on every device).
+
+A weight leaf may itself be a pytree, such as int8 values with per-output-channel scales: each array
+in it is sharded like the float weight, aligned on its trailing dimensions (the output axes come
+last in every weight here), and a dimension of size 1 (a kept-dims scale) stays whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxserve.config import ModelConfig
+from jaxserve.model.weights import Weights, is_spec
+
+Rules = Sequence[tuple[str, str | None]]
+
+RULES: Rules = (
+    ("vocab", "model"),
+    ("embed", None),
+    ("q_heads", "model"),
+    ("kv_heads", "model"),
+    ("head_dim", None),
+    ("ffn", "model"),
+    ("pages", "seq"),  # the KV cache: each device of `seq` holds one block of the page pool
+    ("page_size", None),
+    ("batch", None),
+    ("tokens", "seq"),  # a prefill chunk's tokens
+)
+CACHE_AXES = ("kv_heads", "pages", "page_size", "head_dim")  # of KVCache.k[i] and .v[i]
+
+
+def check_rules(rules: Rules, mesh_axes: Sequence[str]) -> None:
+    """Raises ValueError for a logical axis named twice or a mesh axis the mesh does not have."""
+    names = [name for name, _ in rules]
+    doubled = sorted({n for n in names if names.count(n) > 1})
+    if doubled:
+        raise ValueError(f"logical axes {doubled} have more than one rule")
+    bad = sorted({str(m) for _, m in rules if m is not None and m not in mesh_axes})
+    if bad:
+        raise ValueError(f"rules name mesh axes {bad}; the mesh has {tuple(mesh_axes)}")
+
+
+def logical_spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, rules: Rules = RULES) -> PartitionSpec:
+    """The PartitionSpec of an array with these logical axes. Two axes of one array on the same mesh axis
+    is an error (a collision); a dimension its mesh axis does not divide is kept whole."""
+    table = dict(rules)
+    missing = [a for a in axes if a not in table]
+    if missing:
+        raise ValueError(f"no sharding rule for logical axes {missing}; the rules cover {sorted(table)}")
+    mapped = [table[a] for a in axes]
+    for m in {m for m in mapped if m is not None}:
+        if mapped.count(m) > 1:
+            clash = [a for a, n in zip(axes, mapped) if n == m]
+            raise ValueError(f"logical axes {clash} of one array {tuple(axes)} both map to mesh axis {m!r}")
+    return PartitionSpec(*(m if m is not None and mesh.shape[m] > 1 and size % mesh.shape[m] == 0 else None
+                           for m, size in zip(mapped, shape)))
+
+
+def leaf_shardings(leaf: Any, spec: PartitionSpec, mesh: Mesh) -> Any:
+    """NamedShardings for one weight leaf, an array or a pytree of arrays (see the module docstring)."""
+    def one(x: Any) -> NamedSharding:
+        dims = (None,) * max(0, x.ndim - len(spec)) + tuple(spec)[max(0, len(spec) - x.ndim):]
+        return NamedSharding(mesh, PartitionSpec(*(None if n == 1 else d for n, d in zip(x.shape, dims))))
+
+    return jax.tree_util.tree_map(one, leaf)
+
+
+def weight_shardings(weights: Weights, cfg: ModelConfig, mesh: Mesh, rules: Rules = RULES) -> Any:
+    """The tree of NamedShardings for `weights` (same structure), from `Weights.abstract(cfg)`'s axes."""
+    return jax.tree_util.tree_map(
+        lambda spec, leaf: leaf_shardings(leaf, logical_spec(spec.axes, spec.shape, mesh, rules), mesh),
+        Weights.abstract(cfg), weights, is_leaf=is_spec)
+
+
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """One array onto the mesh. With several processes each one holds the whole value and gives its own shards."""
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_weights(weights: Weights, cfg: ModelConfig, mesh: Mesh, rules: Rules = RULES) -> Weights:
+    """The weights laid out on the mesh by the rules."""
+    return jax.tree_util.tree_map(put, weights, weight_shardings(weights, cfg, mesh, rules))
+
+
+def kv_heads_for(num_kv_heads: int, tp: int) -> int:
+    """How many KV heads the sharded model keeps: the least multiple of the model's that `tp` divides.
+    With tp above (or not dividing) the KV heads, each head is repeated so that every device holds
+    the heads its query heads read, instead of refusing the mesh."""
+    return math.lcm(num_kv_heads, tp)
+
+
+def replicate_kv_heads(weights: Weights, cfg: ModelConfig, tp: int) -> tuple[Weights, ModelConfig]:
+    """Repeats each KV head r = kv_heads_for(kv, tp) / kv times in wk, wv (and their biases): query head i
+    keeps reading the same head, now numbered i // (heads / (kv * r))). Returns weights and config as is
+    when r is 1. In each array of a KV weight leaf, the first axis of the KV heads' size is repeated
+    (wk/wv are [kv_heads, head_dim, embed], their biases [kv_heads, head_dim])."""
+    kv = cfg.num_kv_heads
+    r = kv_heads_for(kv, tp) // kv
+    if r == 1:
+        return weights, cfg
+
+    def repeat(x: Any) -> Any:
+        if x.ndim < 2 or kv not in x.shape:
+            return x
+        axis = list(x.shape).index(kv)
+        return np.repeat(x, r, axis=axis) if isinstance(x, np.ndarray) else jnp.repeat(x, r, axis=axis)
+
+    def layer(w: Any) -> Any:
+        return dataclasses.replace(w, **{name: jax.tree_util.tree_map(repeat, getattr(w, name))
+                                         for name in ("wk", "wv", "bk", "bv")})
+
+    return (dataclasses.replace(weights, layers=tuple(layer(w) for w in weights.layers)),
+            dataclasses.replace(cfg, num_kv_heads=kv * r))
