@@ -56,7 +56,9 @@ def implementation(package: str, backend: str) -> Any:
     """The module of `package` (e.g. "pallas_kernels.paged_attention") that implements `backend`."""
     import importlib
 
+    import importlib.util
+
     name = resolve(backend)
-    if name == "mosaic_tpu":
+    if name == "mosaic_tpu" and importlib.util.find_spec(f"{package}.mosaic_tpu") is None:
         raise not_written(name)
-    return importlib.import_module(f"{package}.{'mosaic_gpu' if name == 'mosaic_gpu' else 'reference'}")
+    return importlib.import_module(f"{package}.{name}")

@@ -17,6 +17,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import attend
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.quant import embed_lookup, linear, unembed
 from jaxserve.model.weights import Layer, Weights
 
 
@@ -69,9 +70,7 @@ def _layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dnh->btnh", h, w.wq)
-        k = jnp.einsum("btd,dnh->btnh", h, w.wk)
-        v = jnp.einsum("btd,dnh->btnh", h, w.wv)
+        q, k, v = linear(h, w.wq), linear(h, w.wk), linear(h, w.wv)
         if w.bq is not None:
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -80,12 +79,11 @@ def _layer(
         k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
         v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
         attn = attend(q, k_pages, v_pages, page_table, positions, valid, backend=attention)
-        b, t, n, hd = attn.shape  # one 2-D product: XLA then keeps wo in place instead of transposing it
-        x = x + jnp.dot(attn.reshape(b * t, n * hd), w.wo.reshape(n * hd, -1)).reshape(b, t, -1)
+        x = x + linear(attn, w.wo, in_ndim=2)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate = jax.nn.silu(jnp.einsum("btd,df->btf", h, w.w_gate))
-        x = x + jnp.einsum("btf,fd->btd", gate * jnp.einsum("btd,df->btf", h, w.w_up), w.w_down)
+        gate = jax.nn.silu(linear(h, w.w_gate))
+        x = x + linear(gate * linear(h, w.w_up), w.w_down)
     return x, k_pages, v_pages
 
 
@@ -111,7 +109,7 @@ def forward(
     size = cache.page_size
     page_of = jnp.take_along_axis(page_table, positions // size, axis=1)
     write_at = (jnp.where(valid, page_of, cache.num_pages).reshape(-1), (positions % size).reshape(-1))
-    x = jnp.take(weights.embed, tokens, axis=0)
+    x = embed_lookup(weights.embed, tokens, weights.final_norm.dtype)
     hidden = []
     ks, vs = [], []
     for i, layer in enumerate(weights.layers):
@@ -126,7 +124,7 @@ def forward(
         x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     if weights.lm_head is None:
-        logits = jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
+        logits = unembed(x, weights.embed)
     else:
-        logits = jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+        logits = linear(x, weights.lm_head, preferred_element_type=jnp.float32)
     return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs)), tuple(hidden))
