@@ -55,7 +55,6 @@ def not_written(backend: str) -> NotImplementedError:
 def implementation(package: str, backend: str) -> Any:
     """The module of `package` (e.g. "pallas_kernels.paged_attention") that implements `backend`."""
     import importlib
-
     import importlib.util
 
     name = resolve(backend)

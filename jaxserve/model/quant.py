@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.config import QuantConfig
 from jaxserve.errors import JaxserveError
 
-QUANTIZE_MODES = ("int8",)
 GROUPS_AXIS = "quant_groups"  # the logical axis of per-group scales (replicated unless a rule names it)
 
 
@@ -50,29 +50,6 @@ class QuantizedArray:
 
 jax.tree_util.register_dataclass(QuantizedArray, data_fields=["values", "scales"],
                                  meta_fields=["in_ndim", "group_size", "backend"])
-
-
-@dataclass(frozen=True, kw_only=True)
-class QuantConfig:
-    """What `quantize_weights` quantizes, and how finely.
-
-    `head`: quantize the output head (for tied embeddings, the shared embedding table);
-    `embed`: quantize an untied input embedding too (a gather, so it saves memory, not time).
-    """
-
-    mode: str = "int8"
-    group_size: int = 0  # 0: per output channel; else input elements per scale (a multiple of 32)
-    head: bool = True
-    embed: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode not in QUANTIZE_MODES:
-            raise JaxserveError(f"unknown quantization {self.mode!r}; supported: {', '.join(QUANTIZE_MODES)}")
-        if self.group_size < 0 or self.group_size % 32:
-            raise JaxserveError(
-                f"quantization group_size must be 0 (per output channel) or a positive multiple of 32, "
-                f"got {self.group_size}"
-            )
 
 
 def quantize(w: jax.Array, *, in_ndim: int = 1, group_size: int = 0) -> QuantizedArray:
@@ -172,10 +149,7 @@ def quantize_weights(weights: Any, qcfg: QuantConfig, dtype: Any = None) -> Any:
     tied = weights.lm_head is None
     # The embedding is gathered by rows, so it takes per-row (per-channel) scales only.
     embed = q(jnp.asarray(weights.embed).T, 1, 0) if (qcfg.embed or (tied and qcfg.head)) else f(weights.embed)
-    if tied or not qcfg.head:
-        head = f(weights.lm_head)
-    else:
-        head = q(weights.lm_head, 1, qcfg.group_size)
+    head = f(weights.lm_head) if (tied or not qcfg.head) else q(weights.lm_head, 1, qcfg.group_size)
     return Weights(embed=embed, layers=tuple(layer(lw) for lw in weights.layers), final_norm=f(weights.final_norm),
                    lm_head=head)
 

@@ -216,10 +216,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     compute_wgs = bs.block_n // ROWS
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
     o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
-    if partial:
-        out_type = jax.ShapeDtypeStruct((splits, n, m_pad), jnp.float32)
-    else:
-        out_type = jax.ShapeDtypeStruct((n, m_pad), o_dtype)
+    out_type = jax.ShapeDtypeStruct((splits, n, m_pad) if partial else (n, m_pad), o_dtype)
     int8_swizzle = bs.block_k  # int8: one byte per input, so the swizzle is the tile's row width in bytes
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
     kernel = plgpu.kernel(
