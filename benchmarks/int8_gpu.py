@@ -123,7 +123,8 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
                 cfg_row = {"layer": name, "n": n, "k": k, "m": m, "group": group}
                 try:
                     got = jax.jit(qmm_gpu.quantized_matmul)(x, values, scales)
-                    w = np.asarray(values, np.float64).reshape(n, k // group, group) * np.asarray(scales, np.float64).T[:, :, None]
+                    w = np.asarray(values, np.float64).reshape(n, k // group, group)
+                    w = w * np.asarray(scales, np.float64).T[:, :, None]
                     truth = np.asarray(x.astype(jnp.float32), np.float64) @ w.reshape(n, k).T
                     err = testing.relative_error(got, truth)
                     ok = err < testing.tolerance("mosaic_gpu", "bfloat16")
