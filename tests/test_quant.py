@@ -220,11 +220,15 @@ def test_cli_quantize_then_serve_info_and_perplexity_from_the_output_alone(tiny_
 
 @pytest.mark.slow
 def test_int8_embedded_model_greedy_mostly_equals_float(smollm, embedded_path):
-    """Measured: 6 prompts x 24 tokens; the share of positions where int8 and float32 pick the same token."""
+    """Free-running greedy texts part ways at the first near-tie, so the share that matters is
+    teacher-forced: int8's top token on float32's own greedy text. Measured (benchmarks/int8_cpu.py,
+    6 prompts x 32 tokens): see benchmarks/results/int8_cpu.jsonl."""
+    from benchmarks.int8_cpu import teacher_forced_agreement
+
     model = load_model(embedded_path, quantize=QuantConfig())
     prompts = [smollm.tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):",
                                                    "Water boils at", "The first president of the United States was")]
     a, b = greedy(smollm, prompts, 16), greedy(model, prompts, 16)
-    share = sum(x == y for fa, qa in zip(a, b) for x, y in zip(fa, qa)) / sum(len(fa) for fa in a)
-    assert share >= 0.75, (share, a, b)
-    assert model.tokenizer.decode(b[0]).startswith(" Paris")
+    forced = np.mean([teacher_forced_agreement(model, p, o) for p, o in zip(prompts, a)])
+    assert forced >= 0.9, (forced, a, b)
+    assert a[0][:3] == b[0][:3] and model.tokenizer.decode(b[0]).startswith(" Paris")
