@@ -11,6 +11,10 @@ Random weights are generated on the device (nothing large travels). Usage:
 
     PYTHONPATH=. python3 benchmarks/int8_gpu.py             # H100: writes benchmarks/results/int8_gpu.jsonl
     PYTHONPATH=. python3 benchmarks/int8_gpu.py --smoke     # a tiny config on CPU (kernels interpreted)
+
+Each decode variant compiles the whole 32-layer step once per batch size; where one command has a
+time limit, split the run: `--batches ""` (kernel part only), then `--skip-kernel --batches 1` and
+`--skip-kernel --batches 64` (rows append to the same results file).
 """
 
 from __future__ import annotations
@@ -155,7 +159,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
+                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla")
+    ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -166,6 +172,9 @@ def main() -> None:
 
     rows = [] if args.skip_kernel else kernel_checks(cfg, out, args.smoke)
 
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if not batches:
+        return print_table(rows)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     int8 = quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
     model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
@@ -175,7 +184,8 @@ def main() -> None:
     rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
                        linear_bytes(bf16), higher_is_better=False))
     variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference")}
-    for batch in (int(b) for b in args.batches.split(",")):
+    variants = {name: variants[name] for name in args.variants.split(",")}
+    for batch in batches:
         seconds = {}
         for name, weights in variants.items():
             try:
@@ -192,6 +202,10 @@ def main() -> None:
             rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": "bfloat16"},
                                "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
 
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
     print(f"\n{'benchmark':<36}{'config':<44}{'metric':<20}{'value':>12}{'baseline':>12}{'ratio':>8}")
     for r in rows:
         c = r["config"]
