@@ -228,7 +228,7 @@ def test_int8_embedded_model_greedy_mostly_equals_float(smollm, embedded_path):
     model = load_model(embedded_path, quantize=QuantConfig())
     prompts = [smollm.tokenizer.encode(p) for p in ("The capital of France is", "def add(a, b):",
                                                    "Water boils at", "The first president of the United States was")]
-    a, b = greedy(smollm, prompts, 16), greedy(model, prompts, 16)
-    forced = np.mean([teacher_forced_agreement(model, p, o) for p, o in zip(prompts, a)])
-    assert forced >= 0.9, (forced, a, b)
-    assert a[0][:3] == b[0][:3] and model.tokenizer.decode(b[0]).startswith(" Paris")
+    outs = greedy(smollm, prompts, 16)  # int8 through the engine: see the tiny-model orbax test
+    forced = [teacher_forced_agreement(model, p, o) for p, o in zip(prompts, outs)]
+    assert np.mean(forced) >= 0.9, (forced, outs)
+    assert forced[0] == 1.0 and smollm.tokenizer.decode(outs[0]).startswith(" Paris")
