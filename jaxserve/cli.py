@@ -25,6 +25,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file, HF or orbax directory (default: embedded SmolLM2-135M)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and activations (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    _add_quantize_args(p)
+
+
+def _add_quantize_args(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    p.add_argument("--quantize", choices=("int8",), default=default,
+                   help="quantize the linear layers' weights as they load (int8: one scale per output channel)")
+    p.add_argument("--quantize-group-size", type=int, default=0, metavar="G",
+                   help="with --quantize: one scale per G inputs of each output channel (default 0: per channel)")
+    p.add_argument("--float-head", action="store_true",
+                   help="with --quantize: keep the output head (and a tied embedding) in float")
+
+
+def _quant_config(args: argparse.Namespace) -> Any:
+    from jaxserve.config import QuantConfig
+
+    if args.quantize is None:
+        if args.quantize_group_size or args.float_head:
+            raise InputError("--quantize-group-size and --float-head need --quantize int8")
+        return None
+    return QuantConfig(mode=args.quantize, group_size=args.quantize_group_size, head=not args.float_head)
 
 
 def _add_attention_arg(p: argparse.ArgumentParser) -> None:
@@ -83,8 +103,10 @@ def _load(args: argparse.Namespace) -> Any:
 
     dtype = args.dtype or _default_dtype()
     start = time.perf_counter()
-    model = load_model(args.model, dtype=dtype, on_host=parallel_from_args(args).num_devices > 1)
-    log.info("loaded %s as %s in %.1f s", model.source, dtype, time.perf_counter() - start)
+    model = load_model(args.model, dtype=dtype, quantize=_quant_config(args),
+                       on_host=parallel_from_args(args).num_devices > 1)
+    log.info("loaded %s as %s%s in %.1f s", model.source, dtype, " (int8 weights)" if model.quantization else "",
+             time.perf_counter() - start)
     return model
 
 
@@ -127,17 +149,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from jaxserve.model.quant import is_quantized, linear_bytes
     from jaxserve.model.weights import param_bytes
 
     model = _load(args)
     import jax
 
+    weights = jax.tree_util.tree_leaves(model.weights, is_leaf=is_quantized)
     info = {
         "source": model.source,
         "config": model.config.to_dict(),
-        "dtype": str(jax.tree_util.tree_leaves(model.weights)[0].dtype),
-        "parameters": sum(int(x.size) for x in jax.tree_util.tree_leaves(model.weights)),
+        "dtype": str(model.weights.final_norm.dtype),
+        "quantization": dataclasses.asdict(model.quantization) if model.quantization else None,
+        "parameters": sum(int(x.values.size if is_quantized(x) else x.size) for x in weights),
         "parameter_bytes": param_bytes(model.weights),
+        "linear_bytes": linear_bytes(model.weights),
         "tokenizer": {"vocab_size": model.tokenizer.vocab_size, "bos_token_id": model.tokenizer.bos_token_id,
                       "eos_token_ids": list(model.tokenizer.eos_token_ids),
                       "has_chat_template": bool(model.tokenizer.chat_template)},
@@ -147,6 +175,36 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         for key, value in info.items():
             print(f"{key}: {value}")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Writes an orbax checkpoint of the model with int8 weights, loadable with --model DIR alone."""
+    from jaxserve.checkpoint import save_model
+    from jaxserve.model.weights import param_bytes
+
+    model = _load(args)
+    save_model(model, args.output)
+    result = {"output": args.output, "source": model.source, "parameter_bytes": param_bytes(model.weights)}
+    print(json.dumps(result) if args.json else f"wrote {args.output} ({result['parameter_bytes']} parameter bytes)")
+    return 0
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from jaxserve.perplexity import perplexity
+
+    try:
+        with open(args.text_file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise InputError(f"cannot read --text-file {args.text_file}: {e}") from e
+    model = _load(args)
+    ids = model.tokenizer.encode(text)
+    result = perplexity(model, ids, context=args.context, stride=args.stride, attention=args.attention or "auto")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens")
     return 0
 
 
@@ -160,6 +218,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_yaml(ServerConfig, args.config) if args.config else ServerConfig()
     overrides = {name: getattr(args, name) for name in ("host", "port", "metrics_port", "model", "dtype")
                  if getattr(args, name) is not None}
+    if args.quantize is not None or args.quantize_group_size or args.float_head:
+        overrides["quantize"] = _quant_config(args)
     cfg = dataclasses.replace(cfg, **overrides)
     if args.attention is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, attention=args.attention))
@@ -180,7 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from jaxserve.server.server import model_info
         from jaxserve.step import build_engine
 
-        model = load_model(cfg.model, dtype=dtype, on_host=sharded)
+        model = load_model(cfg.model, dtype=dtype, quantize=cfg.quantize, on_host=sharded)
         engine = build_engine(model, cfg.engine)
         engines.append(engine)
         return engine, model_info(model, engine, cfg, dtype=dtype)
@@ -273,6 +333,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(info)
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+
+    quant = sub.add_parser("quantize", help="write an int8 orbax checkpoint that --model DIR loads without the source")
+    quant.add_argument("--model", default=None, help="source: GGUF file, HF or orbax directory (default: embedded)")
+    quant.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                       help="the weights left in float (norms, embedding) (default: float32 on CPU, bfloat16 on GPU)")
+    _add_quantize_args(quant, default="int8")
+    quant.add_argument("--output", required=True, metavar="DIR", help="directory to write (created)")
+    quant.add_argument("--json", action="store_true")
+    quant.set_defaults(func=cmd_quantize)
+
+    ppl = sub.add_parser("perplexity", help="perplexity over a text file, in sliding windows over the context")
+    _add_model_args(ppl)
+    _add_attention_arg(ppl)
+    ppl.add_argument("--text-file", required=True, metavar="F", help="UTF-8 text")
+    ppl.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
+    ppl.add_argument("--stride", type=int, default=512,
+                     help="window step; each scored token has at least context - stride tokens of context (default 512)")
+    ppl.add_argument("--json", action="store_true", help='print {"perplexity": ..., "tokens": ...}')
+    ppl.set_defaults(func=cmd_perplexity)
 
     bench = sub.add_parser("bench", help="offline throughput and latency through the engine")
     _add_model_args(bench)

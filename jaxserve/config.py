@@ -333,6 +333,28 @@ class EngineConfig:
         return tuple(sorted(sizes))
 
 
+QUANTIZE_MODES = ("int8",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """Weight quantization (see jaxserve.model.quant): int8 values, float32 scales per output channel
+    or per `group_size` inputs. `head`: quantize the output head too (with tied embeddings, the shared
+    table); `embed`: quantize an untied input embedding as well (a gather: saves memory, not time)."""
+
+    mode: str = "int8"
+    group_size: int = 0  # 0: one scale per output channel; else inputs per scale, a positive multiple of 32
+    head: bool = True
+    embed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANTIZE_MODES:
+            raise JaxserveError(f"unknown quantization {self.mode!r}; supported: {', '.join(QUANTIZE_MODES)}")
+        if self.group_size < 0 or self.group_size % 32:
+            raise JaxserveError(f"quantization group_size must be 0 (per output channel) or a positive multiple of 32, "
+                                f"got {self.group_size}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
     """The gRPC server: where it listens, its limits, TLS and auth, and the model and engine it serves."""
@@ -343,6 +365,7 @@ class ServerConfig:
     metrics_port: int | None = 9090  # Prometheus /metrics over HTTP; None turns it off, 0 picks a free port
     model: str | None = None  # GGUF file, HF or orbax directory; None serves the embedded SmolLM2
     dtype: str | None = None  # float32 or bfloat16; None: float32 on CPU, bfloat16 on GPU/TPU
+    quantize: QuantConfig | None = None  # int8 weights, quantized at load (an orbax model saved quantized needs none)
     engine: EngineConfig = field(default_factory=EngineConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     max_waiting: int = 64  # requests admitted beyond the running slots; past it, RESOURCE_EXHAUSTED

@@ -91,7 +91,7 @@ class StepRunner:
         self.model_cfg = model.config
         self.cfg = cfg
         self.weights = model.weights
-        dtype = cache_dtype or jax.tree_util.tree_leaves(model.weights)[0].dtype
+        dtype = cache_dtype or model.weights.final_norm.dtype  # the activations' dtype (some weights may be int8)
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

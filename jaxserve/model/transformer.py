@@ -8,9 +8,8 @@ latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
 
 from __future__ import annotations
 
-import math
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import AttentionFn, update_and_attend
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.quant import embed_lookup, linear
 from jaxserve.model.weights import Layer, Weights
 
 
@@ -33,22 +33,6 @@ def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return gain * normed.astype(x.dtype)
-
-
-def linear(x: jax.Array, w: jax.Array, in_axes: int = 1, preferred_element_type: Any = None) -> jax.Array:
-    """x [..., in...] times a weight stored [out..., in...] (its last `in_axes` axes are the input).
-
-    On CPU, a product over few tokens puts the weight on the left (w @ x.T): XLA's CPU matmul is
-    then about 1.5-2x cheaper for 8-32 tokens than with the activations on the left.
-    """
-    k = math.prod(w.shape[w.ndim - in_axes:])
-    lead, out = x.shape[:x.ndim - in_axes], w.shape[:w.ndim - in_axes]
-    x2, w2 = x.reshape(-1, k), w.reshape(-1, k)
-    if x2.shape[0] <= 64 and jax.default_backend() == "cpu":
-        y = jnp.dot(w2, x2.T, preferred_element_type=preferred_element_type).T
-    else:
-        y = jax.lax.dot_general(x2, w2, (((1,), (1,)), ((), ())), preferred_element_type=preferred_element_type)
-    return y.reshape(*lead, *out)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -92,7 +76,7 @@ def _layer(
             q, k, v = q + w.bq, k + w.bk, v + w.bv
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
-        x = x + linear(attn, w.wo, in_axes=2)
+        x = x + linear(attn, w.wo, in_ndim=2)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
         x = x + linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
@@ -124,7 +108,7 @@ def forward(
     size = cache.page_size
     page_of = jnp.take_along_axis(page_table, positions // size, axis=1)
     write_at = (jnp.where(valid, page_of, cache.num_pages), positions % size)
-    x = jnp.take(weights.embed, tokens, axis=0)
+    x = embed_lookup(weights.embed, tokens, weights.final_norm.dtype)
     hidden = []
     ks, vs = [], []
     for i, layer in enumerate(weights.layers):

@@ -1,0 +1,219 @@
+"""int8 weights on a Hopper GPU: an 8B-shaped Llama decoding in bfloat16 and in int8, in one run.
+
+1. The quantized-matmul kernel (Mosaic GPU) against float64 truth and the XLA path, on the 8B
+   layer shapes at 1, 8 and 64 rows, with kernel-only timings (device time, no dispatch).
+2. Decode steps through jaxserve's own step function (`jaxserve.step.step_fn`: forward over the
+   paged KV cache, then sampling), jit-compiled as the engine compiles it, for batch 1 and 64:
+   bfloat16 weights, int8 weights (the Pallas kernel where it applies: backend "auto"), and int8
+   through XLA (backend "reference"). Ratios are against bfloat16 measured in the same run.
+
+Random weights are generated on the device (nothing large travels). Usage:
+
+    PYTHONPATH=. python3 benchmarks/int8_gpu.py             # H100: writes benchmarks/results/int8_gpu.jsonl
+    PYTHONPATH=. python3 benchmarks/int8_gpu.py --smoke     # a tiny config on CPU (kernels interpreted)
+
+Each decode variant compiles the whole 32-layer step once per batch size; where one command has a
+time limit, split the run: `--batches ""` (kernel part only), then `--skip-kernel --batches 1` and
+`--skip-kernel --batches 64` (rows append to the same results file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import record  # noqa: E402
+from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
+from jaxserve.engine.batch import StepInput  # noqa: E402
+from jaxserve.model.kv_cache import KVCache  # noqa: E402
+from jaxserve.model.quant import QuantizedArray, linear_bytes, quantize_weights  # noqa: E402
+from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
+from jaxserve.step import DeviceState, step_fn  # noqa: E402
+from pallas_kernels import testing  # noqa: E402
+from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
+from pallas_kernels.quantized_matmul import reference as qmm_ref  # noqa: E402
+
+LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+SMOKE = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=64, max_position_embeddings=1024)
+PAGE_SIZE = 16
+
+
+def with_backend(weights, backend: str):
+    """The same int8 arrays, multiplied through another quantized_matmul backend."""
+    return jax.tree_util.tree_map(lambda x: dataclasses.replace(x, backend=backend) if isinstance(x, QuantizedArray) else x,
+                                  weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
+
+
+def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> dict[str, np.ndarray]:
+    """One decode step's StepInput for `batch` slots, each `context` tokens in, over distinct pages."""
+    rng = np.random.default_rng(0)
+    inp = StepInput(
+        tokens=rng.integers(0, vocab, (batch, 1), dtype=np.int32), feed=np.zeros(batch, bool),
+        slots=np.arange(batch, dtype=np.int32), positions=np.full((batch, 1), context, np.int32),
+        valid=np.ones((batch, 1), bool),
+        page_table=np.arange(batch * pages_per_slot, dtype=np.int32).reshape(batch, pages_per_slot),
+        last=np.zeros(batch, np.int32), seeds=np.zeros(batch, np.uint32), steps=np.zeros(batch, np.int32),
+        temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
+        want_top=np.zeros(batch, bool),
+    )
+    return vars(inp)
+
+
+def time_decode(cfg: ModelConfig, weights, batch: int, context: int, steps: int, reps: int) -> float:
+    """Median seconds per decode step of `batch` rows, through step_fn compiled like the engine's steps."""
+    pages = -(-(context + 1) // PAGE_SIZE)
+    state = DeviceState(KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(batch, jnp.int32))
+    inp = decode_inputs(batch, context, pages, cfg.vocab_size)
+    step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
+    packed, state = step(weights, state, inp)
+    jax.block_until_ready(packed)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            packed, state = step(weights, state, inp)
+        jax.block_until_ready(packed)
+        times.append((time.perf_counter() - t0) / steps)
+    return float(np.median(times))
+
+
+def repeated(fn, n: int):
+    """One jit running fn n times, each call's x depending on the last output (device time, no dispatch)."""
+    def run(x, *rest):
+        def body(i, carry):
+            return fn(x + (carry[:, :1] * 0).astype(x.dtype), *rest).astype(carry.dtype)
+
+        out = jax.eval_shape(fn, x, *rest)
+        return jax.lax.fori_loop(0, n, body, jnp.zeros(out.shape, jnp.float32))
+
+    return jax.jit(run)
+
+
+def timed(fn, *args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
+    """The Mosaic GPU kernel against float64 truth on the model's layer shapes, then timed against XLA."""
+    rows = []
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"wq/wo": (d, d), "w_gate/w_up": (f, d), "w_down": (d, f)}
+    if smoke:  # interpreted on CPU: one shape, few rows
+        shapes = {"wq/wo": (d, d)}
+    key = jax.random.PRNGKey(1)
+    for name, (n, k) in shapes.items():
+        values = jax.random.randint(key, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+        for group in (k, 128):
+            scales = jax.random.uniform(key, (k // group, n), jnp.float32, 0.5, 2.0) / 127
+            for m in (1, 8) if smoke else (1, 8, 64):
+                x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.float32).astype(jnp.bfloat16)
+                cfg_row = {"layer": name, "n": n, "k": k, "m": m, "group": group}
+                try:
+                    got = jax.jit(qmm_gpu.quantized_matmul)(x, values, scales)
+                    w = np.asarray(values, np.float64).reshape(n, k // group, group)
+                    w = w * np.asarray(scales, np.float64).T[:, :, None]
+                    truth = np.asarray(x.astype(jnp.float32), np.float64) @ w.reshape(n, k).T
+                    err = testing.relative_error(got, truth)
+                    ok = err < testing.tolerance("mosaic_gpu", "bfloat16")
+                    rows.append(record(out, "int8_matmul_error", {**cfg_row, "ok": bool(ok)}, "relative_l2_error", err, "1"))
+                    if smoke or group != k:
+                        continue
+                    inner = 20
+                    w_bf16 = (values.astype(jnp.float32) * scales[0][:, None]).astype(jnp.bfloat16)
+                    t_kernel = timed(repeated(qmm_gpu.quantized_matmul, inner), x, values, scales) / inner
+                    t_xla = timed(repeated(qmm_ref.quantized_matmul, inner), x, values, scales) / inner
+                    t_bf16 = timed(repeated(lambda a, b: jnp.dot(a, b.T), inner), x, w_bf16) / inner
+                    for label, t in (("mosaic_gpu", t_kernel), ("xla_int8", t_xla)):
+                        rows.append(record(out, f"int8_matmul_time_{label}", cfg_row, "us", t * 1e6, "us",
+                                           "xla bfloat16 dot", t_bf16 * 1e6, higher_is_better=False))
+                    rows.append(record(out, "int8_matmul_bandwidth_mosaic_gpu", cfg_row, "GB/s", n * k / t_kernel / 1e9,
+                                       "GB/s"))
+                except Exception as e:  # one failing shape must not hide the others' figures
+                    traceback.print_exc()
+                    rows.append(record(out, "int8_matmul_error", {**cfg_row, "error": f"{type(e).__name__}: {e}"[:500]},
+                                       "relative_l2_error", float("nan"), "1"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny config, few steps: checks the script on CPU")
+    ap.add_argument("--context", type=int, default=256, help="tokens already in each slot's KV cache")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps per timing")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
+                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla")
+    ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = SMOKE if args.smoke else LLAMA_8B
+    if args.smoke:
+        args.steps, args.reps, args.context = 2, 1, 40
+    out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
+    print(f"{jax.devices()[0]} jax {jax.__version__}; writing {out}", flush=True)
+
+    rows = [] if args.skip_kernel else kernel_checks(cfg, out, args.smoke)
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if not batches:
+        return print_table(rows)
+    bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    int8 = quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
+    model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
+    base = {"model": model, "context": args.context, "steps": args.steps}
+    rows.append(record(out, "int8_param_bytes", base, "parameter_bytes", param_bytes(int8), "bytes", "bfloat16",
+                       param_bytes(bf16), higher_is_better=False))
+    rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
+                       linear_bytes(bf16), higher_is_better=False))
+    variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference")}
+    variants = {name: variants[name] for name in args.variants.split(",")}
+    for batch in batches:
+        seconds = {}
+        for name, weights in variants.items():
+            try:
+                seconds[name] = time_decode(cfg, weights, batch, args.context, args.steps, args.reps)
+                print(f"batch {batch} {name}: {seconds[name] * 1e3:.3f} ms/step", flush=True)
+            except Exception:
+                traceback.print_exc()
+        for name in ("int8", "int8_xla"):
+            if name in seconds:
+                rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": name},
+                                   "tokens_per_s", batch / seconds[name], "tok/s", "bfloat16",
+                                   batch / seconds["bfloat16"] if "bfloat16" in seconds else None))
+        if "bfloat16" in seconds:
+            rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": "bfloat16"},
+                               "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
+
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'benchmark':<36}{'config':<44}{'metric':<20}{'value':>12}{'baseline':>12}{'ratio':>8}")
+    for r in rows:
+        c = r["config"]
+        desc = " ".join(f"{key}={c[key]}" for key in ("layer", "m", "group", "batch", "weights", "error") if key in c)
+        base_value = r.get("baseline_value")
+        print(f"{r['benchmark']:<36}{desc[:43]:<44}{r['metric']:<20}{r['value']:>12.4g}"
+              + (f"{base_value:>12.4g}{r['ratio']:>8.2f}" if base_value else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""int8-weight matmul for Hopper in Pallas Mosaic GPU: bulk copies of int8 tiles, dequantized in registers, wgmma.
+
+Decode multiplies a few activation rows by a large weight, so the time is the weight's bytes.
+The product is computed transposed, outᵀ [n, m] = W [n, k] · xᵀ [k, m] ("swap AB"): the weight
+is wgmma's A operand, 64 output channels (the fixed wgmma M) per compute warpgroup, and the
+activations are its B operand with N = the rows m padded to 8. Padding m to 8 instead of to 64
+keeps the tensor cores far from being the limit at batch 1.
+
+One program owns `block_n` output channels (64 per compute warpgroup), `block_m` activation
+rows, and one split of k. A producer warpgroup copies, for each `block_k` step, the int8 weight
+tile [block_n, block_k] and the activation tile [block_m, block_k] into a ring of `stages`
+shared-memory buffers (TMA, completing on one barrier per slot). Each compute warpgroup loads
+its [64, block_k] int8 rows into registers, converts them to bfloat16 (exact: |v| <= 127) and
+issues wgmma with A in registers and the activation tile as a transposed (K-major) B from shared
+memory. The float32 product of each scale group is multiplied by that group's per-channel scales
+and summed in registers; outᵀ goes out through shared memory by TMA. With several k splits each
+writes a float32 partial, summed afterwards (decode has too few output tiles to fill 132 SMs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms, mosaic_dtype, with_layout
+
+ROWS = 64  # output channels per compute warpgroup: the wgmma M
+NUM_SMS = 132  # H100 SXM; only sets how finely k is split
+# What one wave of programs costs beyond its bytes, in bytes per SM: the pipeline's fill, about a
+# microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
+WAVE_BYTES_PER_SM = 40_000
+_CONTRACT_K = (((1,), (1,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiling of the Mosaic GPU quantized matmul."""
+
+    block_n: int | None = None  # output channels per program, 64 per compute warpgroup; None: 128 where n allows
+    block_k: int | None = None  # inputs per pipeline step: 128 (one 128-byte int8 row) where k allows, else 64
+    block_m: int | None = None  # activation rows per program (wgmma N: multiple of 8, <= 256); None: m up to 128
+    stages: int = 4  # weight tiles in flight per program (4 x 16 KiB covers the H100's memory latency)
+    num_splits: int | None = None  # k splits; None: the fewest that fill the chip (see default_splits)
+
+
+def supports(m: int, n: int, k: int, group_size: int, dtype: Any) -> bool:
+    """Whether the kernel takes these shapes (the API sends others to XLA under backend="auto")."""
+    del m
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) and n % ROWS == 0 and k % 64 == 0
+            and group_size % 64 == 0)
+
+
+def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
+    block_n = bs.block_n or (128 if n % 128 == 0 else ROWS)
+    block_k = bs.block_k or (128 if k % 128 == 0 and group % 128 == 0 else 64)
+    block_m = bs.block_m or min(-(-m // 8) * 8, 128)
+    if n % block_n or block_n % ROWS:
+        raise ValueError(f"n={n} must be a multiple of block_n={block_n}, itself a multiple of {ROWS}")
+    if block_k not in (64, 128) or k % block_k or group % block_k:
+        raise ValueError(f"block_k={block_k} must be 64 or 128 and divide k={k} and the scale group {group}")
+    if block_m % 8 or not 8 <= block_m <= 256:
+        raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N)")
+    splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m)
+    k_split = k // splits if k % splits == 0 else 0
+    if not k_split or k_split % block_k or (k_split % group and group % k_split):
+        raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
+                         f"scale groups of {group} or lie inside one")
+    return BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stages=bs.stages, num_splits=splits)
+
+
+def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: int, block_m: int) -> int:
+    """The k split that streams the weight fastest: programs in whole waves over the SMs, few waves
+    (each refills the pipeline), at least two steps per program, and few float32 partials (each
+    split writes and rereads [n, m] of them)."""
+    tiles = (n // block_n) * -(-m // block_m)
+    steps = k // block_k
+    best, best_cost = 1, math.inf
+    for s in range(1, steps // 2 + 1):
+        k_split = k // s
+        if k % s or k_split % block_k or (k_split % group and group % k_split):
+            continue
+        programs = tiles * s
+        waves = -(-programs // NUM_SMS)
+        # bytes moved (idle SMs of the last wave counted as moving nothing), wave fills, partials
+        cost = n * k * waves * NUM_SMS / programs + waves * NUM_SMS * WAVE_BYTES_PER_SM + (8 * s * n * m if s > 1 else 0)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
+            bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
+    # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
+    # o_ref: [n, m_pad] (out dtype), or [splits, n, m_pad] f32 partials when k is split
+    # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
+    # s_smem: [groups in this split, block_n] f32; o_smem: [compute wgs, 64, block_m]
+    block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
+    nt, split, mt, wg = (lax.axis_index(a) for a in ("n", "split", "m", "wg"))
+    compute_wgs = block_n // ROWS
+    n0, m0, k0 = nt * block_n, mt * block_m, split * k_split
+    steps = k_split // block_k
+    segment = min(group, k_split) // block_k  # steps sharing one scale
+    num_segments = steps // segment
+
+    @pl.when(wg == compute_wgs)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem, s_bar)
+
+        def step(j, carry):
+            slot = lax.rem(j, stages)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(free_bar.at[slot])  # every compute warpgroup is done with this slot
+
+            k_at = k0 + j * block_k
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
+                                    tile_bar.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
+                                    tile_bar.at[slot])
+            return carry
+
+        lax.fori_loop(0, steps, step, None)
+
+        def drain(j, carry):  # every completion of a barrier is awaited before the kernel ends
+            plgpu.barrier_wait(free_bar.at[lax.rem(j, stages)])
+            return carry
+
+        lax.fori_loop(max(steps - stages, 0), steps, drain, None)
+
+    @pl.when(wg < compute_wgs)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
+        row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
+
+        def weight_tile(slot):
+            # int8 rows of this warpgroup -> bfloat16 registers in the wgmma A layout. The load uses the
+            # layout made for upcasting 8-bit data (32-bit shared-memory reads, 4 values each); one warp
+            # shuffle then moves the converted values into the WGMMA layout that A-in-registers needs.
+            w = w_smem.at[slot, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)][...]
+            w = with_layout(w, plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
+            return wgmma(w.astype(jnp.bfloat16))
+
+        def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps
+            if interpreted:  # the interpreter has no register A operand: the same product by jnp.dot
+                def step(j, acc):
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(tile_bar.at[slot])
+                    acc = acc + lax.dot_general(weight_tile(slot), x_smem.at[slot][...], _CONTRACT_K,
+                                                preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(free_bar.at[slot])
+                    return acc
+
+                return lax.fori_loop(first, first + segment, step, jnp.zeros((ROWS, block_m), jnp.float32))
+
+            def accumulate(acc_ref):
+                def step(j, carry):
+                    slot = lax.rem(j, stages)
+                    plgpu.barrier_wait(tile_bar.at[slot])
+                    # B = the activation tile [block_m, block_k] read K-major (transposed): the 16-bit
+                    # wgmma takes either major order, and this one needs no transpose of x in memory.
+                    plgpu.wgmma(acc_ref, weight_tile(slot), plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                    plgpu.wgmma_wait(0)  # the tile is read before its slot is handed back to the producer
+                    plgpu.barrier_arrive(free_bar.at[slot])
+                    return carry
+
+                lax.fori_loop(first, first + segment, step, None)
+                return acc_ref[...]
+
+            return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
+
+        plgpu.barrier_wait(s_bar)
+
+        def scaled_segment(i, total):
+            part = segment_product(i * segment)
+            g = (i * segment * block_k) // group  # the scale row of this segment, within the split's rows
+            scale = row_vec(s_smem.at[g, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)][...])
+            return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+
+        total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
+        o_smem.at[wg][...] = total.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        rows = pl.ds(n0 + wg * ROWS, ROWS)
+        dst = o_ref.at[split, rows, pl.ds(m0, block_m)] if partial else o_ref.at[rows, pl.ds(m0, block_m)]
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+        plgpu.wait_smem_to_gmem(0)
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_dtype: Any = None,
+                     block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+    """x [m, k] times int8 values [n, k] with scales [groups, n] (see reference.quantized_matmul)."""
+    m, k = x.shape
+    n = values.shape[0]
+    group = k // scales.shape[0]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if n % ROWS or k % 64 or group % 64:
+        raise ValueError(f"Mosaic GPU needs n={n} a multiple of {ROWS}, and k={k} and the scale group {group} "
+                         "multiples of 64")
+    bs = _resolve(block_sizes or BlockSizes(), m, n, k, group)
+    splits, k_split = bs.num_splits, k // bs.num_splits
+    m_pad = -(-m // bs.block_m) * bs.block_m
+    dtype = mosaic_dtype(x.dtype)
+    xp = jnp.pad(x.astype(dtype), ((0, m_pad - m), (0, 0)))  # [m_pad, k]: a few rows, a small copy
+    partial = splits > 1
+    compute_wgs = bs.block_n // ROWS
+    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+    o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
+    out_type = jax.ShapeDtypeStruct((splits, n, m_pad) if partial else (n, m_pad), o_dtype)
+    int8_swizzle = bs.block_k  # int8: one byte per input, so the swizzle is the tile's row width in bytes
+    w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, bs=bs, k_split=k_split, group=group, partial=partial,
+                          interpreted=params is not None),
+        out_type=out_type,
+        scratch_types=(
+            plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
+            plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms),
+            plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
+            plgpu.SMEM((compute_wgs, ROWS, bs.block_m), o_dtype),
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
+            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
+        ),
+        grid=(n // bs.block_n, splits, m_pad // bs.block_m),
+        grid_names=("n", "split", "m"),
+        num_threads=compute_wgs + 1,
+        thread_name="wg",
+        interpret=params,
+    )
+    out = kernel(xp, values, scales.astype(jnp.float32))
+    if partial:
+        out = jnp.sum(out, axis=0)
+    return out[:, :m].T.astype(out_dtype)

@@ -1,0 +1,108 @@
+"""One int8-weight matmul suite, run by every backend (interpret subclasses on CPU, the real kernel on the GPU)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import testing
+from pallas_kernels.quantized_matmul import quantized_matmul
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def random_weight(rng: np.random.Generator, n: int, k: int, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """int8 values [n, k] over the whole range and positive float32 scales [k // group, n]."""
+    values = rng.integers(-127, 128, size=(n, k), dtype=np.int8)
+    scales = rng.uniform(0.5, 2.0, size=(k // group, n)).astype(np.float32) / 127
+    return values, scales
+
+
+def truth(x: np.ndarray, values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float64: x times the dequantized weight."""
+    n, k = values.shape
+    groups = scales.shape[0]
+    w = values.astype(np.float64).reshape(n, groups, k // groups) * scales.T.astype(np.float64)[:, :, None]
+    return np.asarray(x, np.float64) @ w.reshape(n, k).T
+
+
+class MatmulSuite:
+    backend = "reference"
+    interpret: bool | None = None
+    # (dtype, m, n, k, group): decode rows 1 and 5, a full 64-row tile, per-channel (group = k) and per-group
+    CASES = [(d, m, n, k, g) for d, (m, n, k, g) in itertools.product(
+        DTYPES, [(1, 256, 512, 512), (5, 128, 1024, 128), (64, 384, 256, 256), (3, 64, 192, 64)])]
+
+    def block_sizes(self, case):
+        return None
+
+    def test_matches_float64(self, case):
+        dtype, m, n, k, group = case
+        rng = np.random.default_rng(abs(hash(case)) % 2**32)
+        values, scales = random_weight(rng, n, k, group)
+        x = testing.random_normal(rng, (m, k), DTYPES[dtype])
+        out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), backend=self.backend,
+                               interpret=self.interpret, block_sizes=self.block_sizes(case))
+        assert out.shape == (m, n) and out.dtype == x.dtype
+        expected = truth(np.asarray(x.astype(jnp.float32)), values, scales)
+        assert testing.relative_error(out, expected) < testing.tolerance(self.backend, dtype)
+
+    def test_float32_output_of_bfloat16_rows(self):
+        rng = np.random.default_rng(7)
+        values, scales = random_weight(rng, 128, 256, 256)
+        x = testing.random_normal(rng, (2, 256), jnp.bfloat16)
+        out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), out_dtype=jnp.float32,
+                               backend=self.backend, interpret=self.interpret)
+        assert out.dtype == jnp.float32
+        expected = truth(np.asarray(x.astype(jnp.float32)), values, scales)
+        assert testing.relative_error(out, expected) < testing.tolerance(self.backend, "bfloat16")
+
+
+class TestReference(MatmulSuite):
+    def test_bad_shapes_name_the_values(self):
+        x = jnp.zeros((2, 64))
+        with pytest.raises(ValueError, match="x has k=64 inputs, values have k=128"):
+            quantized_matmul(x, jnp.zeros((8, 128), jnp.int8), jnp.ones((1, 8)))
+        with pytest.raises(ValueError, match="values must be int8, got float32"):
+            quantized_matmul(x, jnp.zeros((8, 64)), jnp.ones((1, 8)))
+        with pytest.raises(ValueError, match=r"scales.shape=\(3, 8\) must be \[groups, n=8\] with groups dividing k=64"):
+            quantized_matmul(x, jnp.zeros((8, 64), jnp.int8), jnp.ones((3, 8)))
+
+
+class InterpretSuite(MatmulSuite):
+    interpret = True
+    CASES = [("bfloat16", 1, 128, 256, 256), ("float32", 5, 128, 256, 128), ("bfloat16", 16, 192, 128, 64)]
+
+
+class TestMosaicGPUInterpret(InterpretSuite):
+    backend = "mosaic_gpu"
+
+    def block_sizes(self, case):
+        from pallas_kernels.quantized_matmul.mosaic_gpu import BlockSizes
+
+        _, m, n, k, group = case
+        # 2 k splits with stages=2 (the ring wraps), and a program of one compute warpgroup (block_n 64)
+        return BlockSizes(num_splits=2, stages=2) if n % 128 == 0 else BlockSizes(block_n=64, block_m=8)
+
+    def test_default_splits_fill_the_chip(self):
+        from pallas_kernels.quantized_matmul.mosaic_gpu import default_splits
+
+        # 8B-shaped decode (batch 1): wq/wo 4096x4096 (32 tiles) and w_down (14336 -> 4096) split 4 ways into one
+        # wave; gate/up (4096 -> 14336: 112 tiles) already fill one wave
+        assert default_splits(1, 4096, 4096, 4096, 128, 128, 8) == 4
+        assert default_splits(1, 4096, 14336, 14336, 128, 128, 8) == 4
+        assert default_splits(1, 14336, 4096, 4096, 128, 128, 8) == 1
+
+
+class TestMosaicTPUInterpret(InterpretSuite):
+    backend = "mosaic_tpu"
+    CASES = [("bfloat16", 1, 128, 256, 256), ("float32", 5, 256, 512, 128)]
+
+
+@pytest.mark.gpu
+class TestMosaicGPU(MatmulSuite):
+    backend = "mosaic_gpu"
+    interpret = False
