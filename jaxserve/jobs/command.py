@@ -101,7 +101,7 @@ def _engine(cfg: Any) -> tuple[Any, str]:
 
     dtype = cfg.dtype or _default_dtype()
     start = time.perf_counter()
-    model = load_model(cfg.model, dtype=dtype)
+    model = load_model(cfg.model, dtype=dtype, on_host=cfg.engine.parallel.num_devices > 1)
     engine = build_engine(model, cfg.engine)
     log.info("loaded %s as %s and compiled its engine in %.1f s", model.source, dtype, time.perf_counter() - start)
     return engine, os.path.basename(model.source.rstrip("/"))

@@ -150,6 +150,18 @@ def quantize_weights(weights: Any, qcfg: QuantConfig, dtype: Any = None) -> Any:
                    lm_head=head)
 
 
+def quantized_spec(spec: Any, in_ndim: int, group_size: int) -> QuantizedArray:
+    """The QuantizedArray of ArraySpecs that quantizes a float weight's ArraySpec (see quantized_abstract)."""
+    from jaxserve.model.weights import ArraySpec
+
+    n_out = len(spec.shape) - in_ndim
+    in_shape, out_shape, out_axes = spec.shape[n_out:], spec.shape[:n_out], spec.axes[:n_out]
+    groups = math.prod(in_shape) // group_size if group_size else 1
+    return QuantizedArray(ArraySpec(spec.shape, spec.axes),
+                          ArraySpec((groups, *out_shape), (GROUPS_AXIS, *out_axes), "ones"),
+                          in_ndim=in_ndim, group_size=group_size)
+
+
 def quantized_abstract(specs: Any, qcfg: QuantConfig) -> Any:
     """`Weights.abstract(cfg)` with the quantized leaves' specs as QuantizedArrays of ArraySpecs.
 
@@ -157,15 +169,9 @@ def quantized_abstract(specs: Any, qcfg: QuantConfig) -> Any:
     "ffn" shards the values along ffn); per-channel scales carry the output axes, per-group scales
     also a leading GROUPS_AXIS.
     """
-    from jaxserve.model.weights import ArraySpec, Layer, Weights
+    from jaxserve.model.weights import Layer, Weights
 
-    def q(spec: ArraySpec, in_ndim: int, group_size: int) -> QuantizedArray:
-        n_out = len(spec.shape) - in_ndim
-        in_shape, out_shape, out_axes = spec.shape[n_out:], spec.shape[:n_out], spec.axes[:n_out]
-        groups = math.prod(in_shape) // group_size if group_size else 1
-        return QuantizedArray(ArraySpec(spec.shape, spec.axes),
-                              ArraySpec((groups, *out_shape), (GROUPS_AXIS, *out_axes), "ones"),
-                              in_ndim=in_ndim, group_size=group_size)
+    q = quantized_spec
 
     def layer(ls: Layer) -> Layer:
         return dataclasses.replace(ls, **{name: q(getattr(ls, name), n, qcfg.group_size) for name, n in _LINEAR.items()})

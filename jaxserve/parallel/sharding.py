@@ -1,9 +1,8 @@
 """Logical-axis rules: every weight and cache axis has a name (`Weights.abstract`, `CACHE_AXES`), and
 one table maps each name to a mesh axis or to None (kept whole on every device).
 
-A weight leaf may itself be a pytree, such as int8 values with per-output-channel scales: each array
-in it is sharded like the float weight, aligned on its trailing dimensions (the output axes come
-last in every weight here), and a dimension of size 1 (a kept-dims scale) stays whole.
+A quantized weight (`QuantizedArray`) shards its int8 values like the float weight and its scales
+along the same output axes; per-group scales keep their groups whole.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
+from jaxserve.model.quant import GROUPS_AXIS, QuantizedArray, quantized_spec
 from jaxserve.model.weights import Weights, is_spec
 
 Rules = Sequence[tuple[str, str | None]]
@@ -34,6 +34,7 @@ RULES: Rules = (
     ("page_size", None),
     ("batch", None),
     ("tokens", "seq"),  # a prefill chunk's tokens
+    (GROUPS_AXIS, None),  # per-group int8 scales: small, kept whole
 )
 CACHE_AXES = ("kv_heads", "pages", "page_size", "head_dim")  # of KVCache.k[i] and .v[i]
 
@@ -65,20 +66,19 @@ def logical_spec(axes: Sequence[str], shape: Sequence[int], mesh: Mesh, rules: R
                            for m, size in zip(mapped, shape)))
 
 
-def leaf_shardings(leaf: Any, spec: PartitionSpec, mesh: Mesh) -> Any:
-    """NamedShardings for one weight leaf, an array or a pytree of arrays (see the module docstring)."""
-    def one(x: Any) -> NamedSharding:
-        dims = (None,) * max(0, x.ndim - len(spec)) + tuple(spec)[max(0, len(spec) - x.ndim):]
-        return NamedSharding(mesh, PartitionSpec(*(None if n == 1 else d for n, d in zip(x.shape, dims))))
-
-    return jax.tree_util.tree_map(one, leaf)
-
-
 def weight_shardings(weights: Weights, cfg: ModelConfig, mesh: Mesh, rules: Rules = RULES) -> Any:
-    """The tree of NamedShardings for `weights` (same structure), from `Weights.abstract(cfg)`'s axes."""
-    return jax.tree_util.tree_map(
-        lambda spec, leaf: leaf_shardings(leaf, logical_spec(spec.axes, spec.shape, mesh, rules), mesh),
-        Weights.abstract(cfg), weights, is_leaf=is_spec)
+    """The tree of NamedShardings for `weights` (same structure), from `Weights.abstract(cfg)`'s axes.
+    A quantized leaf gets a QuantizedArray of shardings: its values follow the float weight's axes,
+    its scales the output axes (see `quantized_spec`)."""
+    def named(spec: Any) -> NamedSharding:
+        return NamedSharding(mesh, logical_spec(spec.axes, spec.shape, mesh, rules))
+
+    def leaf(spec: Any, w: Any) -> Any:
+        if isinstance(w, QuantizedArray):
+            return jax.tree_util.tree_map(named, quantized_spec(spec, w.in_ndim, w.group_size), is_leaf=is_spec)
+        return named(spec)
+
+    return jax.tree_util.tree_map(leaf, Weights.abstract(cfg), weights, is_leaf=is_spec)
 
 
 def put(x: Any, sharding: NamedSharding) -> jax.Array:
