@@ -27,10 +27,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results/cpu_smollm.jsonl")
+    ap.add_argument("--only", choices=("single", "batching"), default=None, help="run one of the two parts")
+    ap.add_argument("--shapes", default=None, help="input/output lengths of part 2, e.g. 32/128,128/64")
     args = ap.parse_args()
-
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from jaxserve.bench import bench_config, run_bench
     from jaxserve.checkpoint import embedded_model_path, load_model
@@ -40,6 +39,45 @@ def main() -> None:
     rows = []
 
     # 1. batch 1 against transformers
+    if args.only != "batching":
+        rows += single_vs_transformers(args, model, path)
+
+    # 2. continuous batching: N concurrent requests against 1, a decode-heavy and a prefill-heavy shape.
+    # The two runs alternate `repeats` times and the medians are compared, so drift in the machine's
+    # load hits both sides alike.
+    shapes = [tuple(map(int, s.split("/"))) for s in args.shapes.split(",")] if args.shapes else \
+        [(32, 128), (args.prompt_len, args.new)]
+    for input_len, output_len in shapes if args.only != "single" else ():
+        ones, manys = [], []
+        for _ in range(args.repeats):
+            ones.append(run_bench(model, 1, input_len, output_len, bench_config(1, input_len, output_len)))
+            manys.append(run_bench(model, args.concurrent, input_len, output_len,
+                                   bench_config(args.concurrent, input_len, output_len)))
+        one_tps = statistics.median(r["output_tokens_per_s"] for r in ones)
+        many_tps = statistics.median(r["output_tokens_per_s"] for r in manys)
+        many = manys[[r["output_tokens_per_s"] for r in manys].index(many_tps)] if args.repeats % 2 else manys[0]
+        cfg = {"model": "SmolLM2-135M-Instruct Q4_1->f32", "input_len": input_len, "output_len": output_len,
+               "requests": args.concurrent, "cpu_threads": os.cpu_count(), "repeats": args.repeats,
+               "ttft_p50_s": many["ttft_p50_s"], "itl_p50_s": many["itl_p50_s"],
+               "runs_tokens_per_s": {"1": [r["output_tokens_per_s"] for r in ones],
+                                     str(args.concurrent): [r["output_tokens_per_s"] for r in manys]}}
+        rows.append(record(args.out, f"cpu_engine_batching_{input_len}in_{output_len}out", cfg, "output_tokens_per_s",
+                           many_tps, "tok/s", "1 request", one_tps))
+
+    print(f"{'benchmark':<34}{'metric':<22}{'jaxserve':>12}{'baseline':>12}{'ratio':>8}  baseline")
+    for r in rows:
+        print(f"{r['benchmark']:<34}{r['metric']:<22}{r['value']:>12.3f}{r['baseline_value']:>12.3f}"
+              f"{r['ratio']:>8.2f}  {r['baseline']}")
+
+
+def single_vs_transformers(args, model, path: str) -> list[dict]:
+    """Batch-1 time to first token and decode tokens/s: the engine against transformers' generate."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxserve.bench import run_bench
+
+    rows: list[dict] = []
     single = [run_bench(model, 1, args.prompt_len, args.new, seed=i) for i in range(args.repeats)]
     ttft = statistics.median(r["ttft_p50_s"] for r in single)
     tps = statistics.median(1.0 / r["itl_p50_s"] for r in single)
@@ -65,31 +103,7 @@ def main() -> None:
                        statistics.median(hf_ttft), higher_is_better=False))
     rows.append(record(args.out, "cpu_smollm", cfg, "decode_tokens_per_s", tps, "tok/s", "transformers generate",
                        statistics.median(hf_tps)))
-
-    # 2. continuous batching: N concurrent requests against 1, a decode-heavy and a prefill-heavy shape.
-    # The two runs alternate `repeats` times and the medians are compared, so drift in the machine's
-    # load hits both sides alike.
-    for input_len, output_len in ((32, 128), (args.prompt_len, args.new)):
-        ones, manys = [], []
-        for _ in range(args.repeats):
-            ones.append(run_bench(model, 1, input_len, output_len, bench_config(1, input_len, output_len)))
-            manys.append(run_bench(model, args.concurrent, input_len, output_len,
-                                   bench_config(args.concurrent, input_len, output_len)))
-        one_tps = statistics.median(r["output_tokens_per_s"] for r in ones)
-        many_tps = statistics.median(r["output_tokens_per_s"] for r in manys)
-        many = manys[[r["output_tokens_per_s"] for r in manys].index(many_tps)] if args.repeats % 2 else manys[0]
-        cfg = {"model": "SmolLM2-135M-Instruct Q4_1->f32", "input_len": input_len, "output_len": output_len,
-               "requests": args.concurrent, "cpu_threads": os.cpu_count(), "repeats": args.repeats,
-               "ttft_p50_s": many["ttft_p50_s"], "itl_p50_s": many["itl_p50_s"],
-               "runs_tokens_per_s": {"1": [r["output_tokens_per_s"] for r in ones],
-                                     str(args.concurrent): [r["output_tokens_per_s"] for r in manys]}}
-        rows.append(record(args.out, f"cpu_engine_batching_{input_len}in_{output_len}out", cfg, "output_tokens_per_s",
-                           many_tps, "tok/s", "1 request", one_tps))
-
-    print(f"{'benchmark':<34}{'metric':<22}{'jaxserve':>12}{'baseline':>12}{'ratio':>8}  baseline")
-    for r in rows:
-        print(f"{r['benchmark']:<34}{r['metric']:<22}{r['value']:>12.3f}{r['baseline_value']:>12.3f}"
-              f"{r['ratio']:>8.2f}  {r['baseline']}")
+    return rows
 
 
 if __name__ == "__main__":

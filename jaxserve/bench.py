@@ -47,7 +47,6 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[:1], [SamplingParams(max_tokens=2, ignore_eos=True)])  # first-run effects
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start

@@ -121,7 +121,15 @@ class StepRunner:
             if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
                 example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in example.items()}
             self._compiled[bucket] = self._jit(step, bucket).lower(self.weights, self.state, example).compile()
-        log.info("compiled %d step buckets in %.1f s", len(self.buckets), time.perf_counter() - start)
+        compiled = time.perf_counter()
+        # A first run of each bucket on padding rows (they write nothing): XLA initialises an executable
+        # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
+        # first requests' time to first token. Followers of a multi-host group run the same steps.
+        for r, width, pages in self.buckets:
+            self._run(StepInput.build([None] * r, width, pages, cfg.max_slots))
+        jax.block_until_ready(self.state)
+        log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
+                 time.perf_counter() - compiled)
 
     def _jit(self, step: Callable[..., Any], bucket: tuple[int, int, int]) -> Any:
         if self.plan is None:
