@@ -30,3 +30,37 @@ def record(path: str, benchmark: str, config: dict[str, Any], metric: str, value
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     return row
+
+
+def timed(fn: Any, *args: Any, reps: int = 5, inner: int = 1) -> float:
+    """Median seconds per call: `inner` back-to-back calls per timing, after a warm-up call."""
+    import time
+
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return float(np.median(times))
+
+
+def repeated(fn: Any, n: int) -> Any:
+    """One jit running fn n times, each call's first input depending on the last output, so device
+    time is measured without the host's per-call dispatch (inside a model step there is none)."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(x: Any, *rest: Any) -> Any:
+        def body(i: Any, carry: Any) -> Any:
+            return fn(x + (carry[:, :1] * 0).astype(x.dtype), *rest).astype(carry.dtype)
+
+        out = jax.eval_shape(fn, x, *rest)
+        return jax.lax.fori_loop(0, n, body, jnp.zeros(out.shape, jnp.float32))
+
+    return jax.jit(run)

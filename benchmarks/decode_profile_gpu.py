@@ -19,7 +19,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, SMOKE, decode_inputs  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, SMOKE, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from jaxserve.config import QuantConfig  # noqa: E402
-from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
-from jaxserve.step import DeviceState, step_fn  # noqa: E402
 
 
 def step_bytes(cfg, weights, batch: int, context: int) -> int:
@@ -80,27 +77,18 @@ def busy_ns(intervals: list[tuple[int, int]]) -> tuple[int, int]:
 
 
 def run_variant(cfg, weights, batch: int, context: int, steps: int, profile: bool):
-    pages = -(-(context + 1) // PAGE_SIZE)
-    state = DeviceState(KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(batch, jnp.int32))
-    inp = {k: jnp.asarray(v) for k, v in decode_inputs(batch, context, pages, cfg.vocab_size).items()}
-    step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
-    packed, state = step(weights, state, inp)
-    jax.block_until_ready(packed)
+    step, state, inp = decode_step(cfg, weights, batch, context)
+    inp = {name: jnp.asarray(x) for name, x in inp.items()}  # inputs on the device: the step alone is timed
     times = []
     for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            packed, state = step(weights, state, inp)
-        jax.block_until_ready(packed)
-        times.append((time.perf_counter() - t0) / steps)
+        seconds, state = run_steps(step, weights, state, inp, steps)
+        times.append(seconds)
     wall = float(np.median(times))
     prof = None
     if profile:
         d = tempfile.mkdtemp()
         with jax.profiler.trace(d):
-            for _ in range(steps):
-                packed, state = step(weights, state, inp)
-            jax.block_until_ready(packed)
+            _, state = run_steps(step, weights, state, inp, steps)
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         if paths:
             intervals, time_by, count_by = device_intervals(paths[0])

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import record, repeated, timed  # noqa: E402
 from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
@@ -70,44 +70,39 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
     return vars(inp)
 
 
-def time_decode(cfg: ModelConfig, weights, batch: int, context: int, steps: int, reps: int) -> float:
-    """Median seconds per decode step of `batch` rows, through step_fn compiled like the engine's steps."""
+def decode_step(cfg: ModelConfig, weights, batch: int, context: int):
+    """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
+    step_fn compiled like the engine's steps (the state donated), run once."""
     pages = -(-(context + 1) // PAGE_SIZE)
     state = DeviceState(KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
     step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
     packed, state = step(weights, state, inp)
     jax.block_until_ready(packed)
+    return step, state, inp
+
+
+def run_steps(step, weights, state, inp, steps: int):
+    """(seconds per step, state) of `steps` steps dispatched back to back, as the engine does."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        packed, state = step(weights, state, inp)
+    jax.block_until_ready(packed)
+    return (time.perf_counter() - t0) / steps, state
+
+
+def time_decode(cfg: ModelConfig, weights, batch: int, context: int, steps: int, reps: int) -> float:
+    """Median seconds per decode step of `batch` rows."""
+    step, state, inp = decode_step(cfg, weights, batch, context)
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            packed, state = step(weights, state, inp)
-        jax.block_until_ready(packed)
-        times.append((time.perf_counter() - t0) / steps)
+        seconds, state = run_steps(step, weights, state, inp, steps)
+        times.append(seconds)
     return float(np.median(times))
 
 
-def repeated(fn, n: int):
-    """One jit running fn n times, each call's x depending on the last output (device time, no dispatch)."""
-    def run(x, *rest):
-        def body(i, carry):
-            return fn(x + (carry[:, :1] * 0).astype(x.dtype), *rest).astype(carry.dtype)
-
-        out = jax.eval_shape(fn, x, *rest)
-        return jax.lax.fori_loop(0, n, body, jnp.zeros(out.shape, jnp.float32))
-
-    return jax.jit(run)
 
 
-def timed(fn, *args, reps: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:

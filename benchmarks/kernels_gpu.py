@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import traceback
 
 import jax
@@ -17,38 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import record, repeated, timed  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.flash_attention import mosaic_gpu as flash_gpu  # noqa: E402
 from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E402
 from pallas_kernels.paged_attention import reference as decode_ref  # noqa: E402
-
-
-def timed(fn, *args, reps: int = 5, inner: int = 10) -> float:
-    """Median seconds per call: `inner` back-to-back calls per timing, after a warm-up."""
-    out = fn(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
-    return float(np.median(times))
-
-
-def repeated(fn, n: int = 20):
-    """One jit running fn n times, each call's query depending on the last output, so device time
-    is measured without the host's per-call dispatch (inside a model step there is none)."""
-    def run(q, *rest):
-        def body(i, carry):
-            out = fn(q + (carry[:, :1] * 0).astype(q.dtype), *rest)
-            return out.astype(carry.dtype)
-
-        return jax.lax.fori_loop(0, n, body, jnp.zeros(q.shape, jnp.float32))
-
-    return jax.jit(run)
 
 
 def rel_err(a, b) -> float:
@@ -59,7 +31,7 @@ def rel_err(a, b) -> float:
 def copy_bandwidth() -> float:
     x = jax.random.normal(jax.random.PRNGKey(0), (512 * 1024 * 1024,), jnp.bfloat16)  # 1 GiB
     f = jax.jit(lambda x: x + 1)
-    return 2 * x.nbytes / timed(f, x)
+    return 2 * x.nbytes / timed(f, x, inner=10)
 
 
 def bench_flash(path: str, rows: list, quick: bool) -> None:
@@ -76,7 +48,7 @@ def bench_flash(path: str, rows: list, quick: bool) -> None:
             for bs in configs:
                 fn = jax.jit(lambda q, k, v, c=causal, bs=bs: flash_gpu.flash_attention(q, k, v, causal=c, block_sizes=bs))
                 try:
-                    t = timed(fn, q, k, v)
+                    t = timed(fn, q, k, v, inner=10)
                 except Exception as e:  # noqa: BLE001
                     print("flash failed", seq, causal, bs, type(e).__name__, str(e)[:300])
                     continue
@@ -92,7 +64,7 @@ def bench_flash(path: str, rows: list, quick: bool) -> None:
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
                           block_k=bs.block_k, stages=bs.stages)
             tf = flops / t_ours / 1e12
-            t_cudnn = timed(cudnn, q, k, v)
+            t_cudnn = timed(cudnn, q, k, v, inner=10)
             record(path, "flash_attention", config, "throughput", tf, "TFLOP/s", "cudnn", flops / t_cudnn / 1e12)
             try:
                 t_xla = timed(xla, q, k, v, reps=3, inner=2)

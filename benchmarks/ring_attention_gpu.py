@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if "--smoke" in sys.argv:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
@@ -35,21 +34,12 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import record, timed  # noqa: E402
 from jaxserve.parallel import ring  # noqa: E402
 
 BENCH = "ring_attention_gpu"
 
 
-def timed(fn, *args, reps: int) -> float:
-    """Median seconds of `reps` calls after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 class Setup:

@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams
-from jaxserve.step import build_engine, release_followers, sequence_parallel_chunks
+from jaxserve.step import build_engine, chunks_for, release_followers, sequence_parallel_chunks
 
 
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,
@@ -21,13 +21,12 @@ def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slot
     rows up to the number of requests."""
     parallel = parallel or ParallelConfig()
     slots = max_slots or min(num_requests, 64)
-    chunk_buckets = tuple(c for c in chunk_buckets if c < input_len) + (
-        next((c for c in chunk_buckets if c >= input_len), max(chunk_buckets)),)
+    chunk_buckets = chunks_for(sequence_parallel_chunks(chunk_buckets, parallel.sp), input_len)
     prefill_rows = tuple(r for r in prefill_rows if r == 1 or r <= min(num_requests, slots))
     pages_per_slot = -(-(input_len + output_len) // page_size)
     pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=sequence_parallel_chunks(chunk_buckets, parallel.sp),
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=chunk_buckets,
                         prefill_rows=prefill_rows, attention=attention,
                         decode_page_buckets=_powers_of_two_below(pages_per_slot), parallel=parallel)
 

@@ -197,10 +197,15 @@ def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int
     pages_per_slot = -(-longest // page_size)
     pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
     slots = max(1, min(len(prompt_lens), max_slots))
-    needed = max(prompt_lens)
-    buckets = tuple(c for c in chunk_sizes if c < needed) + (next((c for c in chunk_sizes if c >= needed), chunk_sizes[-1]),)
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=buckets, attention=attention, parallel=parallel)
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=chunks_for(chunk_sizes, max(prompt_lens)),
+                        attention=attention, parallel=parallel)
+
+
+def chunks_for(chunk_sizes: tuple[int, ...], longest_prompt: int) -> tuple[int, ...]:
+    """The chunk sizes a load can use: those below its longest prompt and the first that holds it."""
+    return tuple(c for c in chunk_sizes if c < longest_prompt) + (
+        next((c for c in chunk_sizes if c >= longest_prompt), max(chunk_sizes)),)
 
 
 def sequence_parallel_chunks(chunk_sizes: tuple[int, ...], sp: int) -> tuple[int, ...]:
