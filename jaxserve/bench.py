@@ -18,16 +18,18 @@ def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slot
                  parallel: ParallelConfig | None = None) -> EngineConfig:
     """Slots and pages for the load; decode steps attend over page tables of 1, 2, 4, ... pages. Only
     the prefill buckets the load can use are compiled: chunks up to the first that holds a prompt,
-    rows up to the number of requests."""
+    rows up to the number of requests; one step still prefills up to the largest chunk's tokens."""
     parallel = parallel or ParallelConfig()
     slots = max_slots or min(num_requests, 64)
-    chunk_buckets = chunks_for(sequence_parallel_chunks(chunk_buckets, parallel.sp), input_len)
+    chunk_buckets = sequence_parallel_chunks(chunk_buckets, parallel.sp)
+    budget = max(chunk_buckets)  # the prefill budget of the full engine, whichever widths are compiled
+    chunk_buckets = chunks_for(chunk_buckets, input_len)
     prefill_rows = tuple(r for r in prefill_rows if r == 1 or r <= min(num_requests, slots))
     pages_per_slot = -(-(input_len + output_len) // page_size)
     pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
                         max_pages_per_slot=pages_per_slot, chunk_buckets=chunk_buckets,
-                        prefill_rows=prefill_rows, attention=attention,
+                        prefill_rows=prefill_rows, prefill_tokens=budget, attention=attention,
                         decode_page_buckets=_powers_of_two_below(pages_per_slot), parallel=parallel)
 
 

@@ -250,6 +250,9 @@ class EngineConfig:
     max_pages_per_slot: int = 64  # the longest sequence a slot can hold is page_size * this
     chunk_buckets: tuple[int, ...] = (16, 64, 256)  # prefill chunk sizes; the largest is the chunk limit
     prefill_rows: tuple[int, ...] = (1,)  # how many requests' chunks one prefill step may carry
+    # Tokens one step's prefill may carry over all its rows (how long running streams wait for it);
+    # 0 means the largest chunk. Rows of narrower chunks fill it: 8 rows of 32 under a budget of 256.
+    prefill_tokens: int = 0
     # "auto", "reference" (XLA), "pallas" (the platform's kernels; interpreted on CPU), or one kernel
     # family by name, "mosaic_gpu" or "mosaic_tpu" (interpreted where the platform cannot compile it)
     attention: str = "auto"
@@ -273,6 +276,8 @@ class EngineConfig:
                                 f"{self.max_pages_per_slot}]")
         if not self.prefill_rows or list(self.prefill_rows) != sorted(set(self.prefill_rows)) or self.prefill_rows[0] != 1:
             raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
+        if self.prefill_tokens < 0:
+            raise JaxserveError(f"prefill_tokens must be >= 0 (0: the largest chunk), got {self.prefill_tokens}")
         if self.num_pages < self.max_pages_per_slot:
             raise JaxserveError(
                 f"num_pages={self.num_pages} cannot hold even one full slot of max_pages_per_slot={self.max_pages_per_slot}"
@@ -296,8 +301,9 @@ class EngineConfig:
     @property
     def prefill_buckets(self) -> tuple[tuple[int, int], ...]:
         """(rows, width) of the compiled prefill steps: every chunk size, with as many rows as fit
-        in the largest chunk's tokens (one step's prefill budget)."""
-        return tuple((r, c) for c in self.chunk_buckets for r in self.prefill_rows if r == 1 or r * c <= self.max_chunk)
+        in one step's prefill budget of tokens."""
+        budget = self.prefill_tokens or self.max_chunk
+        return tuple((r, c) for c in self.chunk_buckets for r in self.prefill_rows if r == 1 or r * c <= budget)
 
     def width_for(self, length: int) -> int:
         """The smallest chunk bucket that holds `length` tokens."""

@@ -164,3 +164,26 @@ def test_lower_priority_value_is_admitted_first_and_ties_keep_arrival_order():
                 admitted.append(chunk.request.request_id)
             scheduler.commit(chunk, 7 if chunk.sample else None)
     assert admitted == ["urgent", "first", "second", "late"]
+
+
+def test_prefill_budget_is_independent_of_the_compiled_widths():
+    """With only 32-token chunks compiled and a budget of 256 tokens, one step prefills 8 prompts."""
+    cfg = EngineConfig(max_slots=16, page_size=16, num_pages=64, max_pages_per_slot=4, chunk_buckets=(32,),
+                       prefill_rows=(1, 2, 8), prefill_tokens=256)
+    assert cfg.prefill_buckets == ((1, 32), (2, 32), (8, 32))
+    assert EngineConfig(chunk_buckets=(32,), prefill_rows=(1, 2, 8)).prefill_buckets == ((1, 32),)
+    scheduler = Scheduler(cfg)
+    for i in range(12):
+        scheduler.add(Request(f"r{i}", list(range(30)), SamplingParams(max_tokens=4), arrival=i))
+    plan = scheduler.schedule()
+    assert [c.request.request_id for c in plan.prefill] == [f"r{i}" for i in range(8)]
+    assert plan.prefill_width == 32
+
+
+def test_negative_prefill_budget_is_rejected():
+    import pytest
+
+    from jaxserve.errors import JaxserveError
+
+    with pytest.raises(JaxserveError, match="prefill_tokens must be >= 0"):
+        EngineConfig(prefill_tokens=-1)
