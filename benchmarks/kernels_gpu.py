@@ -78,15 +78,19 @@ def bench_flash(path: str, rows: list, quick: bool) -> None:
                         f"xla {xla_tf:6.1f} TFLOP/s  ratio/cudnn {t_cudnn / t_ours:5.2f}  err {err:.1e}")
 
 
-def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, ragged: bool = False) -> None:
-    """ragged: every slot one token short of the context, so each split's last block is partial (masked)."""
+def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, ragged: bool = False,
+                 batches: tuple[int, ...] = (1, 8, 32, 128), contexts: tuple[int, ...] = (512, 2048, 8192, 32768)) -> None:
+    """ragged: every slot one token short of the context, so each split's last block is partial (masked).
+    Each shape runs the default tiling (num_splits chosen by `default_splits`) and fixed alternatives."""
     heads, kv, hd, ps = 32, 8, 128, 16
     configs = [decode_gpu.BlockSizes(block_k=64, stages=2), decode_gpu.BlockSizes(block_k=64, stages=4),
-               decode_gpu.BlockSizes(block_k=128, stages=2), decode_gpu.BlockSizes(block_k=64, stages=3)]
+               decode_gpu.BlockSizes(block_k=128, stages=2), decode_gpu.BlockSizes(block_k=64, stages=3),
+               decode_gpu.BlockSizes(block_k=64, stages=3, num_splits=2),
+               decode_gpu.BlockSizes(block_k=128, stages=2, num_splits=2)]
     reps = 20
     rng = np.random.default_rng(0)
-    for batch in (1, 8, 32, 128):
-        for ctx in (512, 2048) if quick else (512, 2048, 8192, 32768):
+    for batch in batches:
+        for ctx in tuple(c for c in contexts if c <= 2048) if quick else contexts:
             pages = ctx // ps
             num_pages = batch * pages
             ks = jax.random.split(jax.random.PRNGKey(batch * ctx), 3)
@@ -113,7 +117,8 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, ragged: boo
                 bw = nbytes / t
                 config = dict(timing="20 calls in one jit", batch=batch, context=ctx, heads=heads, kv_heads=kv,
                               head_dim=hd, page_size=ps, ragged=ragged,
-                              block_k=bs.block_k, stages=bs.stages, dtype="bfloat16", err_vs_reference=err)
+                              block_k=bs.block_k, stages=bs.stages, num_splits=bs.num_splits or "default",
+                              dtype="bfloat16", err_vs_reference=err)
                 record(path, "paged_decode", config, "kv_bandwidth", bw / 1e12, "TB/s", "device_copy", copy_bw / 1e12)
                 if best is None or t < best[0]:
                     best = (t, bs, err, config)
@@ -125,7 +130,8 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, ragged: boo
             if small:
                 record(path, "paged_decode", config, "time", t * 1e6, "us", "reference", t_ref * 1e6,
                        higher_is_better=False)
-            rows.append(f"decode b={batch:3d} ctx={ctx:5d} best bk={bs.block_k} st={bs.stages} {t * 1e6:8.1f} us "
+            rows.append(f"decode b={batch:3d} ctx={ctx:5d} best bk={bs.block_k} st={bs.stages} "
+                        f"splits={bs.num_splits or 'default'} {t * 1e6:8.1f} us "
                         f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / copy_bw:5.1%} of copy  "
                         f"x{t_ref / t:6.1f} vs reference  err {err:.1e}")
             del kp, vp
@@ -137,13 +143,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("flash", "decode"))
     parser.add_argument("--ragged", action="store_true", help="decode lengths one short of the context")
+    parser.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
+    parser.add_argument("--contexts", default="512,2048,8192,32768", help="decode context lengths")
     args = parser.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
     rows: list[str] = []
     copy_bw = copy_bandwidth()
     rows.append(f"device copy {copy_bw / 1e12:.2f} TB/s (read + write)")
     for name, fn in (("flash", lambda: bench_flash(args.out, rows, args.quick)),
-                     ("decode", lambda: bench_decode(args.out, rows, args.quick, copy_bw, args.ragged))):
+                     ("decode", lambda: bench_decode(args.out, rows, args.quick, copy_bw, args.ragged,
+                                                          tuple(map(int, args.batches.split(","))),
+                                                          tuple(map(int, args.contexts.split(",")))))):
         if args.only in (None, name):
             try:
                 fn()

@@ -3,8 +3,11 @@
 One program owns one slot's KV head (the whole query group: K/V are read once per group) and one
 split of its sequence. A producer warpgroup copies the pages of each `block_k`-token block into a
 ring of `stages` buffers; the compute warpgroup runs Q·Kᵀ and P·V on the tensor cores with the
-group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes; groups
-narrower than 8 are padded to 8 rows in HBM first, as TMA into 8-row tiles needs aligned starts).
+group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes).
+Queries are read straight from q viewed as [batch * heads, head_dim]: TMA into 8-row tiles needs an
+8-aligned first row, so a program loads the aligned rows around its group (a neighbour's queries
+ride along and are dropped) and writes back only its own rows. No copy of q or of the output is made
+around the kernel unless batch * heads is not a multiple of 8.
 With several splits, each writes a float32 partial and its log-sum-exp, combined afterwards.
 In the block that crosses a slot's length, V's rows past it are zeroed in shared memory before
 P·V, so stale page contents (even NaN) never reach the output.
@@ -54,12 +57,24 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
     return max(1, min(-(-2 * NUM_SMS // programs), max_len // (4 * block_k)))
 
 
+def query_rows(group: int) -> int:
+    """Rows a program loads: an 8-aligned run that holds its group wherever the group starts."""
+    if group % 8 == 0:
+        return group
+    return -(-(group + 8 - math.gcd(group, 8)) // 8) * 8
+
+
+def first_row(start, total: int, rows: int):
+    """The 8-aligned first of `rows` loaded rows holding the group that starts at row `start` (of `total`)."""
+    return jnp.minimum(start // 8 * 8, total - rows)
+
+
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
             split_len: int, bs: BlockSizes, partial: bool, interpreted: bool):
-    # q_ref: [b * kv_heads * rows, hd] the queries, each group padded to rows; k_ref, v_ref: [pages, kv_heads, ps, hd]
-    # table_ref: [b, pages_per_row]; len_ref: [b]
-    # outputs: o [b, kv_heads, rows, hd] or (o [b, kv_heads, splits, rows, hd] f32, lse [b, kv_heads, splits, 64] f32)
-    # rows: the group padded to 8; row r of a group holds query head kvh * group + r for r < group
+    # q_ref: [n >= b * heads, hd] the queries, head-major per slot (n a multiple of 8)
+    # k_ref, v_ref: [kv_heads, pages, ps, hd]; table_ref: [b, pages_per_row]; len_ref: [b]
+    # outputs: o [n, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32)
+    # rows: query_rows(group); row `offset + r` of the tile holds query head kvh * group + r for r < group
     if partial:
         o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     else:
@@ -69,7 +84,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     kvh = lax.axis_index("kvh")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
-    row0 = pl.multiple_of((b * k_ref.shape[0] + kvh) * rows, 8)  # TMA into 8-row tiles needs aligned rows
+    start = (b * k_ref.shape[0] + kvh) * group
+    row0 = pl.multiple_of(first_row(start, q_ref.shape[0], rows), 8)  # TMA into 8-row tiles needs aligned rows
+    offset = start - row0
     begin = split * split_len
     length = len_ref[b]
     end = jnp.minimum(length, begin + split_len)
@@ -157,10 +174,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             lse_smem[...] = m + jnp.log2(denom)
         plgpu.commit_smem()
         if partial:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, kvh, split])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], o_ref.at[b, kvh, split])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
         else:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], o_ref.at[b, kvh])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], o_ref.at[pl.ds(start, group)])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -186,11 +203,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     split_len = -(-max_len // splits)
     split_len = -(-split_len // bs.block_k) * bs.block_k
     splits = -(-max_len // split_len)
-    rows = -(-group // 8) * 8
-    q_rows = q.astype(dtype).reshape(b, kv, group, hd)
-    if rows > group:  # one small copy: TMA into the tiled (8-row) operand needs 8-aligned group starts
-        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    q_rows = q_rows.reshape(b * kv * rows, hd)
+    rows = query_rows(group)
+    q_rows = q.astype(dtype).reshape(b * h, hd)  # a view: heads are already grouped by KV head
+    n_rows = max(-(-(b * h) // 8) * 8, rows)
+    if n_rows > b * h:  # one small copy, only when the aligned loads would run past the end
+        q_rows = jnp.pad(q_rows, ((0, n_rows - b * h), (0, 0)))
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
     partial = splits > 1
     tr = mma_transforms(dtype)
@@ -208,11 +225,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         plgpu.SMEM((ROWS, hd), jnp.float32 if partial else dtype),
     )
     if partial:
-        out_type = (jax.ShapeDtypeStruct((b, kv, splits, rows, hd), jnp.float32),
+        out_type = (jax.ShapeDtypeStruct((b, kv, splits, group, hd), jnp.float32),
                     jax.ShapeDtypeStruct((b, kv, splits, ROWS), jnp.float32))
         smem = (*smem, plgpu.SMEM((ROWS,), jnp.float32))
     else:
-        out_type = jax.ShapeDtypeStruct((b, kv, rows, hd), dtype)
+        out_type = jax.ShapeDtypeStruct((n_rows, hd), dtype)
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, bs=bs,
@@ -229,11 +246,14 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     k_pages, v_pages = k_pages.astype(dtype), v_pages.astype(dtype)
     out = kernel(q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
     if not partial:
-        return out[:, :, :group].reshape(b, h, hd).astype(q.dtype)
+        out = out if n_rows == b * h else out[:b * h]
+        return out.reshape(b, h, hd).astype(q.dtype)
     o_part, lse_part = out
-    lse = lse_part[..., :group]  # [b, kv, splits, group]
+    starts = (jnp.arange(b)[:, None] * kv + jnp.arange(kv)[None, :]) * group
+    offsets = starts - first_row(starts, n_rows, rows)  # where each program's group sits in its 64 rows
+    lse = jnp.take_along_axis(lse_part, (offsets[:, :, None] + jnp.arange(group))[:, :, None, :], axis=3)
     top = jnp.max(lse, axis=2, keepdims=True)
     w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(w, axis=2)
-    o = jnp.sum(w[..., None] * o_part[:, :, :, :group], axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
     return o.reshape(b, h, hd).astype(q.dtype)

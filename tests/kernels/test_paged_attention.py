@@ -22,7 +22,7 @@ class DecodeSuite:
     interpret: bool | None = None
     kv_heads = 2
     pages_per_row = 24
-    CASES = [(d, hd, g, s) for d, hd, g, s in itertools.product(DTYPES, (64, 128), (1, 4, 8), (1, 3))]
+    CASES = [(d, hd, g, s) for d, hd, g, s in itertools.product(DTYPES, (64, 128), (1, 2, 4, 8), (1, 3))]
     NAN_CASES = CASES
 
     def block_sizes(self, case):
@@ -78,7 +78,8 @@ class InterpretSuite(DecodeSuite):
     interpret = True
     kv_heads = 1
     pages_per_row = 9
-    CASES = [("bfloat16", 64, 1, 1), ("float32", 128, 4, 2), ("bfloat16", 128, 8, 1)]
+    # group 2 over 4 slots: programs start at rows 0, 2, 4, 6 of an 8-row load (a neighbour's queries ride along)
+    CASES = [("bfloat16", 64, 1, 1), ("float32", 128, 4, 2), ("bfloat16", 128, 8, 1), ("bfloat16", 64, 2, 2)]
     NAN_CASES = [("bfloat16", 64, 4, 2)]
 
 
