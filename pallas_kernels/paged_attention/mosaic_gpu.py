@@ -1,7 +1,8 @@
 """Paged decode attention for Hopper in Pallas Mosaic GPU: TMA page copies in a ring, wgmma.
 
 One program owns one slot's KV head (the whole query group: K/V are read once per group) and one
-split of its sequence. A producer warpgroup copies the pages of each `block_k`-token block into a
+split of its sequence, or, when there are about twice as many (slot, KV head) pairs as SMs, two slots
+in turn: the K/V ring then streams on from the first slot's last block into the second's first. A producer warpgroup copies the pages of each `block_k`-token block into a
 ring of `stages` buffers; the compute warpgroup runs Q·Kᵀ and P·V on the tensor cores with the
 group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes).
 Queries are read straight from q viewed as [batch * heads, head_dim]: TMA into 8-row tiles needs an
@@ -48,6 +49,9 @@ class BlockSizes:
     block_k: int = 128  # tokens per pipeline step (best on the H100 sweep at batch >= 32)
     stages: int = 2  # K/V buffers in the ring
     num_splits: int | None = None  # sequence splits per slot; None picks enough to fill the chip
+    # batch slots one program runs in turn (1 or 2: each needs its own query and output tiles);
+    # None: 2 when that still leaves a program for nearly every SM, so a second wave's start-up is saved
+    slots_per_program: int | None = None
 
 
 def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
@@ -55,6 +59,10 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
     if programs >= NUM_SMS:
         return 1
     return max(1, min(-(-2 * NUM_SMS // programs), max_len // (4 * block_k)))
+
+
+def default_slots(batch: int, kv_heads: int, splits: int) -> int:
+    return 2 if splits == 1 and -(-batch // 2) * kv_heads >= NUM_SMS * 15 // 16 else 1
 
 
 def query_rows(group: int) -> int:
@@ -70,32 +78,35 @@ def first_row(start, total: int, rows: int):
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
-            split_len: int, bs: BlockSizes, partial: bool, interpreted: bool):
+            split_len: int, slots: int, bs: BlockSizes, partial: bool, interpreted: bool):
     # q_ref: [n >= b * heads, hd] the queries, head-major per slot (n a multiple of 8)
     # k_ref, v_ref: [kv_heads, pages, ps, hd]; table_ref: [b, pages_per_row]; len_ref: [b]
     # outputs: o [n, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32)
-    # rows: query_rows(group); row `offset + r` of the tile holds query head kvh * group + r for r < group
+    # rows: query_rows(group); row `offset + r` of a q tile holds query head kvh * group + r for r < group
+    # slots: consecutive batch slots this program runs one after another, its K/V ring streaming across them
     if partial:
         o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     else:
         o_ref, q_smem, k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     bk, stages = bs.block_k, bs.stages
-    b = lax.axis_index("b")
+    kv_heads, batch = k_ref.shape[0], len_ref.shape[0]
     kvh = lax.axis_index("kvh")
     split = lax.axis_index("split")
     wg = lax.axis_index("wg")
-    start = (b * k_ref.shape[0] + kvh) * group
-    row0 = pl.multiple_of(first_row(start, q_ref.shape[0], rows), 8)  # TMA into 8-row tiles needs aligned rows
-    offset = start - row0
-    begin = split * split_len
-    length = len_ref[b]
-    end = jnp.minimum(length, begin + split_len)
-    num_blocks = jnp.maximum(end - begin + bk - 1, 0) // bk
-    num_full = jnp.maximum(end - begin, 0) // bk
     ps = k_ref.shape[2]
     last_entry, last_page = table_ref.shape[1] - 1, k_ref.shape[1] - 1
+    begin = split * split_len
 
-    def fetch(src, dst, barrier, j):
+    def slot_of(i):
+        """Batch slot of this program's i-th slot, its length and K/V blocks; past the batch: no blocks."""
+        b = jnp.minimum(lax.axis_index("b") * slots + i, batch - 1)
+        length = jnp.where(lax.axis_index("b") * slots + i < batch, len_ref[b], 0)
+        end = jnp.minimum(length, begin + split_len)
+        num_blocks = jnp.maximum(end - begin + bk - 1, 0) // bk
+        num_full = jnp.maximum(end - begin, 0) // bk
+        return b, length, num_blocks, num_full
+
+    def fetch(src, dst, barrier, b, j):
         pos = begin + j * bk
         if ps >= bk:
             page = jnp.clip(table_ref[b, jnp.minimum(pos // ps, last_entry)], 0, last_page)
@@ -108,76 +119,97 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     @pl.when(wg == 1)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        count = jnp.int32(0)  # blocks issued so far, over all of this program's slots: the ring position
+        for i in range(slots):
+            b, _, num_blocks, _ = slot_of(i)
 
-        def step(j, carry):
-            slot = lax.rem(j, stages)
+            def step(j, carry, b=b, base=count):
+                c = base + j
+                slot = lax.rem(c, stages)
 
-            @pl.when(j >= stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+                @pl.when(c >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+                    plgpu.barrier_wait(v_free.at[slot])
 
-            fetch(k_ref, k_smem.at[slot], k_bar.at[slot], j)
-            fetch(v_ref, v_smem.at[slot], v_bar.at[slot], j)
-            return carry
+                fetch(k_ref, k_smem.at[slot], k_bar.at[slot], b, j)
+                fetch(v_ref, v_smem.at[slot], v_bar.at[slot], b, j)
+                return carry
 
-        lax.fori_loop(0, num_blocks, step, None)
+            lax.fori_loop(0, num_blocks, step, None)
+            count = count + num_blocks
 
-        def drain(j, carry):
-            slot = lax.rem(j, stages)
+        def drain(c, carry):
+            slot = lax.rem(c, stages)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             return carry
 
-        lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+        lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, None)
 
     @pl.when(wg == 0)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_smem.at[pl.ds(0, rows)], q_bar)
+        offsets = []
+        for i in range(slots):  # every query tile is requested up front
+            b, _, _, _ = slot_of(i)
+            start = (b * kv_heads + kvh) * group
+            row0 = pl.multiple_of(first_row(start, q_ref.shape[0], rows), 8)  # TMA into 8-row tiles: aligned rows
+            offsets.append((start, start - row0))
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_smem.at[i, pl.ds(0, rows)], q_bar.at[i])
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
         col = wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
-        plgpu.barrier_wait(q_bar)
-
-        def step(j, carry, *, masked: bool):
-            m, denom, acc = carry
-            slot = lax.rem(j, stages)
-            if masked:  # the block crossing the slot's length: V past it may be stale NaN
-                plgpu.barrier_wait(v_bar.at[slot])
-                zero_rows_from(v_smem.at[slot], length - begin - j * bk, interpreted=interpreted)
-            plgpu.barrier_wait(k_bar.at[slot])
-            s = mma_transposed(q_smem, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                s = jnp.where(begin + j * bk + col < length, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            denom = denom * alpha + jnp.sum(p, axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if not masked:
-                plgpu.barrier_wait(v_bar.at[slot])
-            acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return m_new, denom, acc
-
         hd = q_smem.shape[-1]
-        m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
-        denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
-        acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
-        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
-        m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
-        out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [0])
-        o_smem[...] = out.astype(o_smem.dtype)
-        if partial:
-            lse_smem[...] = m + jnp.log2(denom)
-        plgpu.commit_smem()
-        if partial:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], o_ref.at[b, kvh, split])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
-        else:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, group)], o_ref.at[pl.ds(start, group)])
+        count = jnp.int32(0)
+        for i in range(slots):
+            b, length, num_blocks, num_full = slot_of(i)
+            start, offset = offsets[i]
+            q_tile = q_smem.at[i]
+            plgpu.barrier_wait(q_bar.at[i])
+
+            def step(j, carry, *, masked: bool, base=count, length=length, q_tile=q_tile):
+                m, denom, acc = carry
+                slot = lax.rem(base + j, stages)
+                if masked:  # the block crossing the slot's length: V past it may be stale NaN
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    zero_rows_from(v_smem.at[slot], length - begin - j * bk, interpreted=interpreted)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = mma_transposed(q_tile, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    s = jnp.where(begin + j * bk + col < length, s, -jnp.inf)
+                m_new = jnp.maximum(m, jnp.max(s, axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                denom = denom * alpha + jnp.sum(p, axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if not masked:
+                    plgpu.barrier_wait(v_bar.at[slot])
+                acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return m_new, denom, acc
+
+            m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
+            denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
+            acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
+            carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
+            m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+            count = count + num_blocks
+            out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [0])
+            o_smem.at[i][...] = out.astype(o_smem.dtype)
+            if partial:
+                lse_smem[...] = m + jnp.log2(denom)
+            plgpu.commit_smem()
+            if partial:
+                plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(offset, group)], o_ref.at[b, kvh, split])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
+            else:
+                valid = lax.axis_index("b") * slots + i < batch
+
+                @pl.when(valid)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(offset, group)], o_ref.at[pl.ds(start, group)])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -203,6 +235,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     split_len = -(-max_len // splits)
     split_len = -(-split_len // bs.block_k) * bs.block_k
     splits = -(-max_len // split_len)
+    slots = bs.slots_per_program or default_slots(b, kv, splits)
+    if slots not in (1, 2) or (slots > 1 and splits > 1):
+        raise ValueError(f"slots_per_program={slots} must be 1 or 2, and 1 when the sequence is split ({splits=})")
     rows = query_rows(group)
     q_rows = q.astype(dtype).reshape(b * h, hd)  # a view: heads are already grouped by KV head
     n_rows = max(-(-(b * h) // 8) * 8, rows)
@@ -212,17 +247,17 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     partial = splits > 1
     tr = mma_transforms(dtype)
     barriers = (
-        plgpu.Barrier(num_arrivals=1),
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots),
         plgpu.Barrier(num_arrivals=max(1, bs.block_k // ps), num_barriers=bs.stages),
         plgpu.Barrier(num_arrivals=max(1, bs.block_k // ps), num_barriers=bs.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
     )
     smem = (
-        plgpu.SMEM((ROWS, hd), dtype, transforms=tr),
+        plgpu.SMEM((slots, ROWS, hd), dtype, transforms=tr),
         plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
         plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
-        plgpu.SMEM((ROWS, hd), jnp.float32 if partial else dtype),
+        plgpu.SMEM((slots, ROWS, hd), jnp.float32 if partial else dtype),
     )
     if partial:
         out_type = (jax.ShapeDtypeStruct((b, kv, splits, group, hd), jnp.float32),
@@ -232,11 +267,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         out_type = jax.ShapeDtypeStruct((n_rows, hd), dtype)
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, bs=bs,
+        functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, slots=slots, bs=bs,
                           partial=partial, interpreted=params is not None),
         out_type=out_type,
         scratch_types=(*smem, *barriers),
-        grid=(b, kv, splits),
+        grid=(-(-b // slots), kv, splits),
         grid_names=("b", "kvh", "split"),
         num_threads=2,
         thread_name="wg",

@@ -87,9 +87,25 @@ class TestMosaicGPUInterpret(InterpretSuite):
     backend = "mosaic_gpu"
 
     def block_sizes(self, case):
+        """Unsplit cases run two slots per program."""
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
-        return BlockSizes(num_splits=case[3])
+        return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
+
+    def test_odd_batch_two_slots_per_program(self):
+        """Three slots, two per program: the second program's second slot lies past the batch and writes nothing."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        rng = np.random.default_rng(3)
+        lengths = np.array([PAGE_SIZE + 1, 1, 5 * PAGE_SIZE], np.int32)
+        q = testing.random_normal(rng, (3, 4, 64), jnp.bfloat16)
+        kp = testing.random_normal(rng, (1, 16, PAGE_SIZE, 64), jnp.bfloat16)
+        vp = testing.random_normal(rng, (1, 16, PAGE_SIZE, 64), jnp.bfloat16)
+        table = jnp.asarray(testing.random_page_table(rng, 3, 5, 16))
+        out = paged_attention(q, kp, vp, table, jnp.asarray(lengths), backend=self.backend, interpret=True,
+                              block_sizes=BlockSizes(slots_per_program=2))
+        expect = paged_attention(q, kp, vp, table, jnp.asarray(lengths), backend="reference")
+        assert testing.relative_error(out, np.asarray(expect, np.float32)) < testing.tolerance(self.backend, "bfloat16")
 
 
 class TestMosaicTPUInterpret(InterpretSuite):
@@ -123,4 +139,4 @@ class TestMosaicGPU(DecodeSuite):
     def block_sizes(self, case):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
-        return BlockSizes(num_splits=case[3])
+        return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
