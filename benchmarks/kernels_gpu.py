@@ -43,8 +43,7 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
         for causal in (True, False):
             flops = 4 * b * heads * seq * seq * hd * (0.5 if causal else 1.0)
             configs = [flash_gpu.BlockSizes(block_k=128, stages=2), flash_gpu.BlockSizes(block_k=128, stages=3),
-                       flash_gpu.BlockSizes(block_k=64, stages=4),
-                       flash_gpu.BlockSizes(block_k=128, stages=3, pingpong=False)]
+                       flash_gpu.BlockSizes(block_k=64, stages=4)]
             cudnn = jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c,
                                                                                   implementation="cudnn"))
             t_cudnn_before = timed(cudnn, q, k, v, inner=10)  # cuDNN is timed before and after ours: best of both
@@ -64,7 +63,7 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
                                                                                 implementation="xla"))
             err = rel_err(ours(q, k, v), cudnn(q, k, v))
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
-                          block_k=bs.block_k, stages=bs.stages, pingpong=bs.pingpong)
+                          block_k=bs.block_k, stages=bs.stages)
             tf = flops / t_ours / 1e12
             t_cudnn = min(t_cudnn_before, timed(cudnn, q, k, v, inner=10))
             record(path, "flash_attention", config, "throughput", tf, "TFLOP/s", "cudnn", flops / t_cudnn / 1e12)
@@ -75,7 +74,7 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
             except Exception as e:  # noqa: BLE001  (XLA's scores matrix can exceed memory)
                 xla_tf = float("nan")
                 print("xla failed:", type(e).__name__, str(e)[:200])
-            rows.append(f"flash s={seq:5d} causal={causal!s:5} bk={bs.block_k} st={bs.stages} pp={bs.pingpong:d} ours {tf:6.1f} "
+            rows.append(f"flash s={seq:5d} causal={causal!s:5} bk={bs.block_k} st={bs.stages} ours {tf:6.1f} "
                         f"cudnn {flops / t_cudnn / 1e12:6.1f} "
                         f"xla {xla_tf:6.1f} TFLOP/s  ratio/cudnn {t_cudnn / t_ours:5.2f}  err {err:.1e}")
 

@@ -37,9 +37,6 @@ class BlockSizes:
     block_k: int = 128  # keys per step (the wgmma N of Q·Kᵀ, the K of P·V)
     stages: int = 3  # K/V buffers in the ring (3: best or within 0.5 % on the H100 sweep)
     heads_per_program: int = 1  # query heads of one group per program; 128 // this = query positions
-    # The two compute warpgroups take turns issuing Q·Kᵀ, so one's softmax runs while the other's
-    # product holds the tensor cores (FlashAttention-3's ping-pong) instead of both exponentiating at once.
-    pingpong: bool = True
 
     @property
     def block_q(self) -> int:
@@ -100,7 +97,7 @@ def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> Non
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
-            q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn,
+            q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
             *, paged: bool, causal: bool, scale: float, group: int, bs: BlockSizes, num_qt: int,
             interpreted: bool):
     # q_ref: [b, q_len, heads, hd]; k_ref, v_ref: [b, kv_len, kv_heads, hd] or [pages, kv_heads, ps, hd]
@@ -198,15 +195,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
                     zero_rows_from(v_smem.at[slot], kv_len - j * bk, interpreted=interpreted)
 
             plgpu.barrier_wait(k_bar.at[slot])
-            if bs.pingpong:  # warpgroup 0 goes first; afterwards each waits for the other's Q·Kᵀ
-
-                @pl.when((wg == 1) | (j > 0))
-                def _():
-                    plgpu.barrier_wait(turn.at[wg])
 
             s = mma_transposed(q_tile, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
-            if bs.pingpong:
-                plgpu.barrier_arrive(turn.at[1 - wg])
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
                 k_pos = j * bk + col
@@ -232,12 +222,6 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
         acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
         carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
         m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
-        if bs.pingpong:  # warpgroup 1's last turn handed to warpgroup 0 is awaited too
-
-            @pl.when((wg == 0) & (num_blocks > 0))
-            def _():
-                plgpu.barrier_wait(turn.at[0])
-
         denom = jnp.where(denom == 0.0, 1.0, denom)
         out = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
         q_tile[...] = out.astype(q_tile.dtype)
@@ -293,7 +277,6 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
             plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=bs.stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=bs.stages),
-            plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),  # turn: whose Q·Kᵀ is next
         ),
         grid=(b, kv, group // bs.heads_per_program, num_qt),
         grid_names=("b", "kvh", "hg", "qt"),
