@@ -61,8 +61,19 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
     return max(1, min(-(-2 * NUM_SMS // programs), max_len // (4 * block_k)))
 
 
-def default_slots(batch: int, kv_heads: int, splits: int) -> int:
-    return 2 if splits == 1 and -(-batch // 2) * kv_heads >= NUM_SMS * 15 // 16 else 1
+SMEM_BYTES = 227 * 1024  # shared memory one H100 block may use
+
+
+def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool = False) -> int:
+    """Shared memory of one program: its query and output tiles per slot (float32 output for split partials),
+    and the K/V ring."""
+    out_itemsize = 4 if partial else itemsize
+    return slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * itemsize
+
+
+def default_slots(batch: int, kv_heads: int, splits: int, hd: int, bs: BlockSizes, itemsize: int) -> int:
+    fits = smem_bytes(2, hd, bs, itemsize) <= SMEM_BYTES
+    return 2 if fits and splits == 1 and -(-batch // 2) * kv_heads >= NUM_SMS * 15 // 16 else 1
 
 
 def query_rows(group: int) -> int:
@@ -88,6 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
     else:
         o_ref, q_smem, k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
+    assert slots == 1 or not partial, "split partials have no past-the-batch guard: one slot per program"
     bk, stages = bs.block_k, bs.stages
     kv_heads, batch = k_ref.shape[0], len_ref.shape[0]
     kvh = lax.axis_index("kvh")
@@ -231,13 +243,17 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
     dtype = mosaic_dtype(q.dtype)
     max_len = pages_per_row * ps
-    splits = bs.num_splits or default_splits(b, kv, max_len, bs.block_k)
+    splits = bs.num_splits or (1 if bs.slots_per_program == 2 else default_splits(b, kv, max_len, bs.block_k))
     split_len = -(-max_len // splits)
     split_len = -(-split_len // bs.block_k) * bs.block_k
     splits = -(-max_len // split_len)
-    slots = bs.slots_per_program or default_slots(b, kv, splits)
+    slots = bs.slots_per_program or default_slots(b, kv, splits, hd, bs, jnp.dtype(dtype).itemsize)
     if slots not in (1, 2) or (slots > 1 and splits > 1):
         raise ValueError(f"slots_per_program={slots} must be 1 or 2, and 1 when the sequence is split ({splits=})")
+    need = smem_bytes(slots, hd, bs, jnp.dtype(dtype).itemsize, partial=splits > 1)
+    if need > SMEM_BYTES:
+        raise ValueError(f"slots_per_program={slots}, stages={bs.stages} and block_k={bs.block_k} at head_dim={hd} "
+                         f"need {need} bytes of shared memory, more than {SMEM_BYTES}")
     rows = query_rows(group)
     q_rows = q.astype(dtype).reshape(b * h, hd)  # a view: heads are already grouped by KV head
     n_rows = max(-(-(b * h) // 8) * 8, rows)

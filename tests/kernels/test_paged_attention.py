@@ -92,20 +92,39 @@ class TestMosaicGPUInterpret(InterpretSuite):
 
         return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
 
-    def test_odd_batch_two_slots_per_program(self):
-        """Three slots, two per program: the second program's second slot lies past the batch and writes nothing."""
+    @pytest.mark.parametrize("heads,kv,slots,splits", [(4, 1, 2, 1), (9, 3, 1, 1), (6, 1, 1, 2)])
+    def test_odd_shapes(self, heads, kv, slots, splits):
+        """Three slots over 64-token blocks, stale NaN past each length.
+        (4, 1, 2 slots): the K/V ring crosses from one slot into the next mid-ring, and the second program's
+        second slot lies past the batch and writes nothing. (9, 3): groups of 3 load 16 rows and the last
+        load is clamped to the (padded) end of q. (6, 1, split): a group of 6 at offsets 0, 6 and 4."""
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
-        rng = np.random.default_rng(3)
-        lengths = np.array([PAGE_SIZE + 1, 1, 5 * PAGE_SIZE], np.int32)
-        q = testing.random_normal(rng, (3, 4, 64), jnp.bfloat16)
-        kp = testing.random_normal(rng, (1, 16, PAGE_SIZE, 64), jnp.bfloat16)
-        vp = testing.random_normal(rng, (1, 16, PAGE_SIZE, 64), jnp.bfloat16)
-        table = jnp.asarray(testing.random_page_table(rng, 3, 5, 16))
+        rng = np.random.default_rng(heads)
+        lengths = np.array([PAGE_SIZE + 1, 9 * PAGE_SIZE + 6, 5 * PAGE_SIZE], np.int32)
+        q = testing.random_normal(rng, (3, heads, 64), jnp.bfloat16)
+        kp = testing.random_normal(rng, (kv, 32, PAGE_SIZE, 64), jnp.float32)
+        vp = testing.random_normal(rng, (kv, 32, PAGE_SIZE, 64), jnp.float32)
+        table = testing.random_page_table(rng, 3, 10, 32)
+        kp, table = testing.poison_unused(rng, np.asarray(kp), table, lengths)
+        vp, _ = testing.poison_unused(rng, np.asarray(vp), table, lengths)
+        kp, vp, table = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16), jnp.asarray(table)
+        bs = BlockSizes(block_k=64, stages=2, slots_per_program=slots, num_splits=splits)
         out = paged_attention(q, kp, vp, table, jnp.asarray(lengths), backend=self.backend, interpret=True,
-                              block_sizes=BlockSizes(slots_per_program=2))
-        expect = paged_attention(q, kp, vp, table, jnp.asarray(lengths), backend="reference")
-        assert testing.relative_error(out, np.asarray(expect, np.float32)) < testing.tolerance(self.backend, "bfloat16")
+                              block_sizes=bs)
+        k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), np.asarray(table))
+        v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), np.asarray(table))
+        truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
+        assert testing.relative_error(out, truth) < testing.tolerance(self.backend, "bfloat16")
+
+    def test_shared_memory_limit_is_named(self):
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        pages = jnp.zeros((1, 8, PAGE_SIZE, 128), jnp.bfloat16)
+        with pytest.raises(ValueError, match="shared memory"):
+            paged_attention(jnp.zeros((2, 4, 128), jnp.bfloat16), pages, pages, jnp.zeros((2, 4), jnp.int32),
+                            jnp.ones(2, jnp.int32), backend=self.backend, interpret=True,
+                            block_sizes=BlockSizes(block_k=128, stages=3, slots_per_program=2))
 
 
 class TestMosaicTPUInterpret(InterpretSuite):
