@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record, repeated, timed  # noqa: E402
+from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
 from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
@@ -42,8 +43,7 @@ from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul import reference as qmm_ref  # noqa: E402
 
-LLAMA_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA_8B = PRESETS["llama3-8b"]
 SMOKE = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=64, max_position_embeddings=1024)
 PAGE_SIZE = 16

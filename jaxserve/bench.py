@@ -58,7 +58,14 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
     return {
         "requests": num_requests, "input_len": input_len, "output_len": output_len,
         "output_tokens": output_tokens, "wall_s": wall, "output_tokens_per_s": output_tokens / wall,
-        "ttft_p50_s": statistics.median(ttft), "ttft_p99_s": sorted(ttft)[int(0.99 * (len(ttft) - 1))],
-        "itl_p50_s": statistics.median(itl) if itl else 0.0, "preemptions": engine.scheduler.num_preemptions,
+        "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": _percentile(ttft, 0.90),
+        "ttft_p99_s": _percentile(ttft, 0.99), "itl_p50_s": statistics.median(itl) if itl else 0.0,
+        "itl_p90_s": _percentile(itl, 0.90), "itl_p99_s": _percentile(itl, 0.99),
+        "preemptions": engine.scheduler.num_preemptions,
         "engine_steps": engine.stats.steps, "max_slots": cfg.max_slots, "compile_s": compile_s,
     }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The value below which a share q of `values` lies (nearest rank); 0 for no values."""
+    return sorted(values)[int(q * (len(values) - 1))] if values else 0.0

@@ -148,3 +148,25 @@ def test_bfloat16_load(embedded_path):
     prompt = model.tokenizer.encode("The capital of France is")
     out = greedy(model, [prompt], 4)[0]
     assert model.tokenizer.decode(out).startswith(" Paris")
+
+
+def test_random_models_have_real_shapes_and_a_tokenizer_for_every_id():
+    """`random:NAME`: preset shapes, random weights, every id decodes; int8 and an unknown name."""
+    import jax.numpy as jnp
+
+    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint.random_model import PRESETS
+    from jaxserve.config import QuantConfig
+    from jaxserve.errors import CheckpointError
+    from jaxserve.model.quant import QuantizedArray
+
+    eight_b = PRESETS["llama3-8b"]
+    assert (eight_b.num_layers, eight_b.hidden_size, eight_b.intermediate_size, eight_b.vocab_size) == (32, 4096, 14336, 128256)
+    model = load_model("random:smoke", dtype=jnp.bfloat16)
+    assert model.weights.layers[0].wq.shape == (4, 64, 256) and model.weights.embed.dtype == jnp.bfloat16
+    assert model.tokenizer.vocab_size == 512 and model.tokenizer.eos_token_ids == (511,)
+    assert model.tokenizer.decode([3, 511]) == "<3> <511>" and model.tokenizer.encode("<3> <511>") == [3, 511]
+    quantized = load_model("random:smoke", dtype=jnp.bfloat16, quantize=QuantConfig(mode="int8"))
+    assert isinstance(quantized.weights.layers[0].w_up, QuantizedArray)
+    with pytest.raises(CheckpointError, match="unknown random model 'llama9'; presets: llama3-1b, llama3-8b, smoke"):
+        load_model("random:llama9")

@@ -6,6 +6,7 @@
 | `*.gguf`, or a directory with one        | GGUF                                    |
 | a directory with `jaxserve_model.json`   | orbax (written by `save_model`)         |
 | a directory with `config.json`           | Hugging Face safetensors                |
+| `random:NAME` (llama3-8b, llama3-1b, smoke) | real shapes, random weights (speed work) |
 
 With `quantize`, the linear layers are quantized to int8 as they load (from float32, one weight
 at a time). An orbax directory written from a quantized model loads quantized, as it was saved.
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve.checkpoint import random_model
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import ModelConfig, QuantConfig
 from jaxserve.errors import CheckpointError, JaxserveError
@@ -74,6 +76,11 @@ def load_model(path: str | None = None, *, dtype: Any = np.float32, quantize: Qu
     from jaxserve.checkpoint.gguf_loader import read_gguf
     from jaxserve.checkpoint.hf_loader import read_hf_dir
 
+    if path is not None and path.startswith(random_model.PREFIX):
+        config, weights, tokenizer = random_model.random_model_parts(path, jnp.float32 if quantize else dtype)
+        if quantize:
+            return LoadedModel(config, _quantize(weights, quantize, dtype, path), tokenizer, path, quantize)
+        return LoadedModel(config, jax.device_get(weights) if on_host else weights, tokenizer, path)
     path = embedded_model_path() if path is None else os.path.expanduser(path)
     if not os.path.exists(path):
         raise CheckpointError(f"no such model path: {path}")

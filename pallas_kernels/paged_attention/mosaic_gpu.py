@@ -2,9 +2,10 @@
 
 One program owns one slot's KV head (the whole query group: K/V are read once per group) and one
 split of its sequence, or, when there are about twice as many (slot, KV head) pairs as SMs, two slots
-in turn: the K/V ring then streams on from the first slot's last block into the second's first. A producer warpgroup copies the pages of each `block_k`-token block into a
-ring of `stages` buffers; the compute warpgroup runs Q·Kᵀ and P·V on the tensor cores with the
-group's rows padded to the wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes).
+in turn: the K/V ring then streams on from the first slot's last block into the second's first.
+A producer warpgroup copies the pages of each `block_k`-token block into a ring of `stages` buffers;
+the compute warpgroup runs Q·Kᵀ and P·V on the tensor cores with the group's rows padded to the
+wgmma M of 64 (decode is bandwidth-bound: the idle rows cost no bytes).
 Queries are read straight from q viewed as [batch * heads, head_dim]: TMA into 8-row tiles needs an
 8-aligned first row, so a program loads the aligned rows around its group (a neighbour's queries
 ride along and are dropped) and writes back only its own rows. No copy of q or of the output is made
@@ -220,7 +221,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 valid = lax.axis_index("b") * slots + i < batch
 
                 @pl.when(valid)
-                def _():
+                def _(i=i, offset=offset, start=start):
                     plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(offset, group)], o_ref.at[pl.ds(start, group)])
         plgpu.wait_smem_to_gmem(0)
 

@@ -1,0 +1,194 @@
+"""Serving figures of an 8B-shaped Llama on one GPU (issue 10), each against a baseline from the same run.
+
+1. Offline throughput: N requests of I tokens in and O out, all submitted at once, through the engine,
+   with as many slots as the device's free memory holds. The peer is Hugging Face `transformers`
+   `generate` on the same GPU, model shape, lengths and requests, in batches of --peer-batch.
+2. Throughput and latency percentiles against concurrency: C requests at once for each C in --concurrency.
+3. Time to first token of one --ttft-len prompt on an idle engine, against its compute floor: the
+   prompt's matrix-product FLOPs (weights and causal attention) at the bf16 matmul rate measured here.
+
+    PYTHONPATH=. python3 benchmarks/serving_gpu.py [--requests 256 --input-len 1000 --output-len 1000]
+    .venv/bin/python benchmarks/serving_gpu.py --smoke        # random:smoke on CPU, tiny lengths
+
+Rows go to benchmarks/results/serving_gpu.jsonl (smoke: /tmp); `benchmarks/plot_serving.py` draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import record, timed  # noqa: E402
+
+
+def matmul_rate(dtype) -> float:
+    """bf16 dense matrix-product FLOP/s of this device (8192³ on a GPU, 1024³ elsewhere)."""
+    import jax
+
+    n = 8192 if jax.default_backend() == "gpu" else 1024
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n**3 / timed(f, a, inner=5)
+
+
+def prefill_flops(cfg, tokens: int) -> float:
+    """Matrix-product FLOPs of one prompt: 2 per weight per token (output head for the last token only)
+    plus causal attention, 2 products of tokens²/2 · head_dim per head."""
+    d, f, h, kv, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    per_layer = d * (h + 2 * kv) * hd + h * hd * d + 3 * d * f
+    weights = 2 * tokens * cfg.num_layers * per_layer + 2 * d * cfg.vocab_size
+    attention = cfg.num_layers * h * 2 * 2 * (tokens * tokens / 2) * hd
+    return weights + attention
+
+
+def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, wanted: int, reserve: float) -> int:
+    """Slots whose KV pages fit in the device's free memory, keeping `reserve` of it for activations."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:  # CPU: no limit to size from
+        return wanted
+    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * (1 - reserve)
+    per_slot = pages_per_slot * page_size * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return max(1, min(wanted, int(free // per_slot)))
+
+
+def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
+                  prefill_tokens: int, cache_dir: str | None = None):
+    """An engine for the load: slots from free memory, two page-table widths, one prefill chunk width;
+    compilations go to a persistent cache, so the later loads of a run reuse the earlier ones'."""
+    from jaxserve.config import EngineConfig
+
+    page_size = 16
+    pages_per_slot = -(-(input_len + output_len) // page_size)
+    itemsize = model.weights.final_norm.dtype.itemsize
+    slots = slots_that_fit(model.config, pages_per_slot, page_size, itemsize, min(requests, 256), reserve)
+    widths = (pages_per_slot // 2,) if pages_per_slot > 1 else ()
+    chunk = min(chunk, max(16, -(-input_len // 16) * 16))
+    rows = tuple(r for r in (1, 2, 4, 8) if r == 1 or r * chunk <= prefill_tokens)
+    return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=(chunk,), prefill_rows=rows,
+                        prefill_tokens=max(prefill_tokens, chunk), decode_page_buckets=widths,
+                        compilation_cache_dir=cache_dir)
+
+
+def peer_throughput(cfg, requests: int, input_len: int, output_len: int, batch: int, seed: int = 0) -> float:
+    """Output tokens/s of transformers' greedy `generate` on the same shape (random weights, bf16)."""
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                     num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+                     max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+                     tie_word_embeddings=cfg.tie_word_embeddings)
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = LlamaForCausalLM(hf).to(device=device, dtype=dtype).eval()
+    rng = np.random.default_rng(seed)
+    prompts = torch.as_tensor(rng.integers(0, cfg.vocab_size - 1, (requests, input_len)), device=device)
+    done = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, requests, batch):
+            ids = prompts[i:i + batch]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+            done += (out.shape[1] - input_len) * ids.shape[0]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return done / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:llama3-8b")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=1000)
+    ap.add_argument("--output-len", type=int, default=1000)
+    ap.add_argument("--concurrency", default="1,16,64,256", help="requests at once for part 2; empty skips it")
+    ap.add_argument("--ttft-len", type=int, default=2000)
+    ap.add_argument("--peer-requests", type=int, default=64, help="requests run through transformers (0 skips)")
+    ap.add_argument("--peer-batch", type=int, default=64)
+    ap.add_argument("--reserve", type=float, default=0.1, help="share of free device memory left for activations")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--cache-dir", default="/tmp/jaxserve_compilation_cache")
+    ap.add_argument("--smoke", action="store_true", help="random:smoke, tiny lengths, CPU")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.smoke:
+        args.model, args.requests, args.input_len, args.output_len = "random:smoke", 8, 24, 8
+        args.concurrency, args.ttft_len, args.peer_requests, args.peer_batch = "1,8", 64, 4, 4
+        args.chunk, args.prefill_tokens = 32, 64
+    out = args.out or ("/tmp/serving_smoke.jsonl" if args.smoke else "benchmarks/results/serving_gpu.jsonl")
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.bench import run_bench
+    from jaxserve.checkpoint import load_model
+
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    model = load_model(args.model, dtype=dtype)
+    cfg = model.config
+    print(f"{jax.devices()[0]} jax {jax.__version__}; {args.model}", flush=True)
+    table = []
+    base = {"model": args.model, "dtype": jnp.dtype(dtype).name}
+
+    def run(requests: int, input_len: int, output_len: int) -> dict:
+        ecfg = engine_config(model, requests, input_len, output_len, args.reserve, args.chunk, args.prefill_tokens,
+                             args.cache_dir)
+        result = run_bench(model, requests, input_len, output_len, ecfg)
+        print(f"  {requests} x {input_len}/{output_len}: {result['output_tokens_per_s']:.0f} tok/s, "
+              f"{ecfg.max_slots} slots, compile {result['compile_s']:.0f} s, wall {result['wall_s']:.1f} s", flush=True)
+        return result
+
+    # 1. offline throughput, and the peer on (a slice of) the same load
+    ours = run(args.requests, args.input_len, args.output_len)
+    config = {**base, **{k: ours[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
+                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps")}}
+    if args.peer_requests:
+        same = run(args.peer_requests, args.input_len, args.output_len) if args.peer_requests != args.requests else ours
+        peer = peer_throughput(cfg, args.peer_requests, args.input_len, args.output_len, args.peer_batch)
+        row = record(out, "offline_throughput_vs_transformers", {**config, "requests": args.peer_requests,
+                     "peer_batch": args.peer_batch, "peer": "transformers generate, greedy, same GPU"},
+                     "output_tokens_per_s", same["output_tokens_per_s"], "tok/s", "transformers", peer)
+        table.append(("offline vs transformers", row))
+    row = record(out, "offline_throughput", config, "output_tokens_per_s", ours["output_tokens_per_s"], "tok/s")
+    table.append(("offline throughput", row))
+
+    # 2. against concurrency
+    for c in [int(x) for x in args.concurrency.split(",") if x]:
+        r = run(c, args.input_len, args.output_len)
+        lat = {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s")}
+        table.append((f"concurrency {c}", record(out, "throughput_vs_concurrency", {**base, "concurrency": c,
+                      "input_len": args.input_len, "output_len": args.output_len, "max_slots": r["max_slots"], **lat},
+                      "output_tokens_per_s", r["output_tokens_per_s"], "tok/s")))
+
+    # 3. time to first token alone against its compute floor
+    r = run(1, args.ttft_len, 1)
+    floor = prefill_flops(cfg, args.ttft_len) / matmul_rate(dtype)
+    table.append((f"TTFT {args.ttft_len}", record(out, "ttft_vs_compute_floor", {**base, "prompt_len": args.ttft_len},
+                                                  "ttft_s", r["ttft_p50_s"], "s", "compute_floor", floor,
+                                                  higher_is_better=False)))
+
+    print(f"\n{'figure':<26}{'value':>12} {'unit':<7}{'baseline':>12}{'ratio':>8}")
+    for name, row in table:
+        base_v = row.get("baseline_value")
+        print(f"{name:<26}{row['value']:>12.4g} {row['unit']:<7}{(base_v or float('nan')):>12.4g}"
+              f"{row.get('ratio', float('nan')):>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
