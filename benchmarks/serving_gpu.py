@@ -69,22 +69,19 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
 
 def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
                   prefill_tokens: int, cache_dir: str | None = None):
-    """An engine for the load: slots from free memory, two page-table widths, one prefill chunk width;
+    """`jaxserve bench`'s engine for the load, with slots from free memory and one prefill chunk width;
     compilations go to a persistent cache, so the later loads of a run reuse the earlier ones'."""
-    from jaxserve.config import EngineConfig
+    import dataclasses
 
-    page_size = 16
-    pages_per_slot = -(-(input_len + output_len) // page_size)
+    from jaxserve.bench import bench_config
+
+    cfg = bench_config(requests, input_len, output_len, max_slots=min(requests, 256), chunk_buckets=(chunk,),
+                       prefill_rows=(1, 2, 4, 8), prefill_tokens=prefill_tokens)
     itemsize = model.weights.final_norm.dtype.itemsize
-    slots = slots_that_fit(model.config, pages_per_slot, page_size, itemsize, min(requests, 256), reserve)
-    prompt_pages = -(-(input_len + 1) // page_size)  # a decode step's rows hold at least this many
-    widths = tuple(w for w in (1 << i for i in range(pages_per_slot.bit_length())) if prompt_pages <= w < pages_per_slot)
-    chunk = min(chunk, max(16, -(-input_len // 16) * 16))
-    rows = tuple(r for r in (1, 2, 4, 8) if r == 1 or r * chunk <= prefill_tokens)
-    return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=(chunk,), prefill_rows=rows,
-                        prefill_tokens=max(prefill_tokens, chunk), decode_page_buckets=widths,
-                        compilation_cache_dir=cache_dir)
+    slots = slots_that_fit(model.config, cfg.max_pages_per_slot, cfg.page_size, itemsize, cfg.max_slots, reserve)
+    return dataclasses.replace(cfg, max_slots=slots, num_pages=slots * cfg.max_pages_per_slot,
+                               prefill_rows=tuple(r for r in cfg.prefill_rows if r <= slots),
+                               compilation_cache_dir=cache_dir)
 
 
 def peer_throughput(cfg, requests: int, input_len: int, output_len: int, batch: int, seed: int = 0) -> float:

@@ -14,23 +14,26 @@ from jaxserve.step import build_engine, chunks_for, release_followers, sequence_
 
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,
                  page_size: int = 16, chunk_buckets: tuple[int, ...] = (32, 128, 256),
-                 prefill_rows: tuple[int, ...] = (1, 2, 8), attention: str = "auto",
-                 parallel: ParallelConfig | None = None) -> EngineConfig:
-    """Slots and pages for the load; decode steps attend over page tables of 1, 2, 4, ... pages. Only
-    the prefill buckets the load can use are compiled: chunks up to the first that holds a prompt,
-    rows up to the number of requests; one step still prefills up to the largest chunk's tokens."""
+                 prefill_rows: tuple[int, ...] = (1, 2, 8), prefill_tokens: int | None = None,
+                 attention: str = "auto", parallel: ParallelConfig | None = None) -> EngineConfig:
+    """Slots and pages for the load. Only the buckets the load can use are compiled: decode page tables
+    of 2^k pages from the first that holds a prompt and its first token, chunks up to the first that
+    holds a prompt, rows up to the number of requests. One step prefills up to `prefill_tokens`
+    (default: the largest of `chunk_buckets`, whichever widths are compiled)."""
     parallel = parallel or ParallelConfig()
     slots = max_slots or min(num_requests, 64)
     chunk_buckets = sequence_parallel_chunks(chunk_buckets, parallel.sp)
-    budget = max(chunk_buckets)  # the prefill budget of the full engine, whichever widths are compiled
+    budget = prefill_tokens or max(chunk_buckets)
     chunk_buckets = chunks_for(chunk_buckets, input_len)
     prefill_rows = tuple(r for r in prefill_rows if r == 1 or r <= min(num_requests, slots))
     pages_per_slot = -(-(input_len + output_len) // page_size)
     pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
+    prompt_pages = -(-(input_len + 1) // page_size)  # every decode row holds at least this many
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
                         max_pages_per_slot=pages_per_slot, chunk_buckets=chunk_buckets,
                         prefill_rows=prefill_rows, prefill_tokens=budget, attention=attention,
-                        decode_page_buckets=_powers_of_two_below(pages_per_slot), parallel=parallel)
+                        decode_page_buckets=tuple(w for w in _powers_of_two_below(pages_per_slot) if w >= prompt_pages),
+                        parallel=parallel)
 
 
 def _powers_of_two_below(n: int) -> tuple[int, ...]:

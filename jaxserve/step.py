@@ -127,7 +127,7 @@ class StepRunner:
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
         # first requests' time to first token. Followers of a multi-host group run the same steps.
         # Kernels in interpret mode (a test setting) skip it: there each run is a whole slow interpretation.
-        for r, width, pages in () if _interpreted(cfg.attention) else self.buckets:
+        for r, width, pages in () if backend_lib.interpreted(cfg.attention) else self.buckets:
             self._run(StepInput.build([None] * r, width, pages, cfg.max_slots))
         jax.block_until_ready(self.state)
         log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
@@ -175,12 +175,6 @@ class StepRunner:
         """Releases the followers (multi-host leader); nothing to do otherwise."""
         if self.lockstep is not None:
             self.lockstep.close()
-
-
-def _interpreted(attention: str) -> bool:
-    """Whether the attention backend's Pallas kernels run in interpret mode on this platform."""
-    backend = backend_lib.resolve(attention)
-    return backend != "reference" and backend_lib.interpret_params(backend, None) is not None
 
 
 def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:

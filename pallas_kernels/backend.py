@@ -49,6 +49,12 @@ def interpret_params(backend: str, interpret: bool | None) -> Any:
     return InterpretGPUParams()
 
 
+def interpreted(backend: str) -> bool:
+    """Whether `backend`'s Pallas kernels run in interpret mode on this platform."""
+    resolved = resolve(backend)
+    return resolved != "reference" and interpret_params(resolved, None) is not None
+
+
 def implementation(package: str, backend: str) -> Any:
     """The module of `package` (e.g. "pallas_kernels.paged_attention") that implements `backend`."""
     import importlib
