@@ -4,6 +4,7 @@
    with as many slots as the device's free memory holds. The peer is Hugging Face `transformers`
    `generate` on the same GPU, model shape, lengths and requests, in batches of --peer-batch.
 2. Throughput and latency percentiles against concurrency: C requests at once for each C in --concurrency.
+   Parts 1 and 2 run through one engine, sized for the offline load and compiled once.
 3. Time to first token of one --ttft-len prompt on an idle engine, against its compute floor: the
    prompt's matrix-product FLOPs (weights and causal attention) at the bf16 matmul rate measured here.
 
@@ -11,13 +12,15 @@
     .venv/bin/python benchmarks/serving_gpu.py --smoke        # random:smoke on CPU, tiny lengths
 
 Rows go to benchmarks/results/serving_gpu.jsonl (smoke: /tmp); `benchmarks/plot_serving.py` draws them.
-On one 10-minute device call the parts may not all fit (an 8B step compiles once per bucket): split them,
-e.g. `--concurrency "" --peer-requests 0` first, then the rest; the compilation cache carries over.
+On one 10-minute device call the parts may not all fit (an 8B step compiles once per bucket): split them
+with --parts (e.g. `--parts offline,concurrency`, then `--parts peer,ttft`); the compilation cache
+(--cache-dir) carries over on a warm machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -25,6 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import record, timed  # noqa: E402
+
+PARTS = {"offline", "peer", "concurrency", "ttft"}
 
 
 def matmul_rate(dtype) -> float:
@@ -68,9 +73,9 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
 
 
 def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
-                  prefill_tokens: int, cache_dir: str | None = None):
-    """`jaxserve bench`'s engine for the load, with slots from free memory and one prefill chunk width;
-    compilations go to a persistent cache, so the later loads of a run reuse the earlier ones'."""
+                  prefill_tokens: int, decode_rows: tuple[int, ...] = (), cache_dir: str | None = None):
+    """`jaxserve bench`'s engine for the load, with slots from free memory, one prefill chunk width and the
+    decode row counts the loads will use; compilations go to a persistent cache."""
     import dataclasses
 
     from jaxserve.bench import bench_config
@@ -81,6 +86,7 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
     slots = slots_that_fit(model.config, cfg.max_pages_per_slot, cfg.page_size, itemsize, cfg.max_slots, reserve)
     return dataclasses.replace(cfg, max_slots=slots, num_pages=slots * cfg.max_pages_per_slot,
                                prefill_rows=tuple(r for r in cfg.prefill_rows if r <= slots),
+                               decode_row_buckets=tuple(sorted({r for r in decode_rows if r < slots})),
                                compilation_cache_dir=cache_dir)
 
 
@@ -145,7 +151,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
-    ap.add_argument("--concurrency", default="1,16,64,256", help="requests at once for part 2; empty skips it")
+    ap.add_argument("--parts", default=",".join(sorted(PARTS)), help="which figures: offline, peer (transformers on "
+                    "--peer-requests of the load, and the engine on the same), concurrency, ttft")
+    ap.add_argument("--concurrency", default="1,16,64,256", help="requests at once for part 2")
     ap.add_argument("--ttft-len", type=int, default=2000)
     ap.add_argument("--peer-requests", type=int, default=64, help="requests run through transformers (0 skips)")
     ap.add_argument("--peer-batch", type=int, default=64)
@@ -171,13 +179,17 @@ def main() -> None:
         tps = peer_throughput(preset(args.model), args.peer_requests, args.input_len, args.output_len, args.peer_batch)
         print(json.dumps({"output_tokens_per_s": tps}))
         return
-    peer = peer_in_subprocess(args) if args.peer_requests else None
+    parts = set(args.parts.split(",")) - {""}
+    if parts - PARTS:
+        raise SystemExit(f"--parts {args.parts!r}: unknown {sorted(parts - PARTS)}; choose from {sorted(PARTS)}")
+    peer = peer_in_subprocess(args) if "peer" in parts and args.peer_requests else None
 
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.bench import run_bench
+    from jaxserve.bench import run_load
     from jaxserve.checkpoint import load_model
+    from jaxserve.step import build_engine
 
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     model = load_model(args.model, dtype=dtype)
@@ -185,51 +197,70 @@ def main() -> None:
     print(f"{jax.devices()[0]} jax {jax.__version__}; {args.model}", flush=True)
     table = []
     base = {"model": args.model, "dtype": jnp.dtype(dtype).name}
+    seeds = itertools.count()  # one per load: an engine's prefix cache would serve a repeated prompt
 
-    def run(requests: int, input_len: int, output_len: int) -> dict:
-        ecfg = engine_config(model, requests, input_len, output_len, args.reserve, args.chunk, args.prefill_tokens,
-                             args.cache_dir)
-        result = run_bench(model, requests, input_len, output_len, ecfg)
+    def load(engine, requests: int, input_len: int, output_len: int) -> dict:
+        result = run_load(engine, requests, input_len, output_len, seed=next(seeds))
         print(f"  {requests} x {input_len}/{output_len}: {result['output_tokens_per_s']:.0f} tok/s, "
-              f"{ecfg.max_slots} slots, compile {result['compile_s']:.0f} s, wall {result['wall_s']:.1f} s", flush=True)
+              f"{engine.cfg.max_slots} slots, wall {result['wall_s']:.1f} s, steps {result['engine_steps']}, "
+              f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {result['itl_p50_s'] * 1e3:.1f} ms", flush=True)
         return result
 
-    # 1. offline throughput, and the peer on (a slice of) the same load
-    ours = run(args.requests, args.input_len, args.output_len)
+    def build(ecfg):
+        start = time.perf_counter()
+        engine = build_engine(model, ecfg)
+        buckets = engine.runner.buckets
+        print(f"  engine of {ecfg.max_slots} slots: {len(buckets)} buckets compiled and run once in "
+              f"{time.perf_counter() - start:.0f} s: {buckets}", flush=True)
+        return engine
+
     def details(r: dict) -> dict:
         return {**base, **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps")}}
 
-    config = details(ours)
-    if peer is not None:
-        same = run(args.peer_requests, args.input_len, args.output_len) if args.peer_requests != args.requests else ours
-        row = record(out, "offline_throughput_vs_transformers", {**details(same), "peer_batch": args.peer_batch,
-                     "peer": "transformers generate out of the box, greedy, same GPU, own process"},
-                     "output_tokens_per_s", same["output_tokens_per_s"], "tok/s", "transformers", peer)
-        table.append(("offline vs transformers", row))
-    row = record(out, "offline_throughput", config, "output_tokens_per_s", ours["output_tokens_per_s"], "tok/s")
-    table.append(("offline throughput", row))
+    # 1 and 2 run through one engine sized for the offline load, compiled once.
+    concurrency = [int(x) for x in args.concurrency.split(",") if x] if "concurrency" in parts else []
+    if {"offline", "concurrency"} & parts or peer is not None:
+        engine = build(engine_config(model, args.requests, args.input_len, args.output_len, args.reserve, args.chunk,
+                                     args.prefill_tokens, tuple(concurrency) + (args.peer_requests,), args.cache_dir))
+        runs: dict[int, dict] = {}
 
-    # 2. against concurrency
-    for c in [int(x) for x in args.concurrency.split(",") if x]:
-        r = ours if c == args.requests else run(c, args.input_len, args.output_len)
-        lat = {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s")}
-        table.append((f"concurrency {c}", record(out, "throughput_vs_concurrency", {**base, "concurrency": c,
-                      "input_len": args.input_len, "output_len": args.output_len, "max_slots": r["max_slots"], **lat},
-                      "output_tokens_per_s", r["output_tokens_per_s"], "tok/s")))
+        def at(requests: int) -> dict:
+            if requests not in runs:
+                runs[requests] = load(engine, requests, args.input_len, args.output_len)
+            return runs[requests]
 
-    # 3. time to first token alone against its compute floor
-    # (one chunk holds the whole prompt; the median of 3 engines, compiled once through the cache)
-    whole = -(-args.ttft_len // 16) * 16
-    ttfts = []
-    for _ in range(3):
-        ecfg = engine_config(model, 1, args.ttft_len, 1, args.reserve, whole, whole, args.cache_dir)
-        ttfts.append(run_bench(model, 1, args.ttft_len, 1, ecfg)["ttft_p50_s"])
-    ttft = sorted(ttfts)[1]
-    floor = prefill_flops(cfg, args.ttft_len) / matmul_rate(dtype)
-    table.append((f"TTFT {args.ttft_len}", record(out, "ttft_vs_compute_floor", {**base, "prompt_len": args.ttft_len,
-                                                  "runs_s": ttfts, "ttft_over_floor": ttft / floor},
-                                                  "ttft_s", ttft, "s", "compute_floor", floor, higher_is_better=False)))
+        if peer is not None:  # the peer's slice of the load, through the engine
+            same = at(args.peer_requests)
+            row = record(out, "offline_throughput_vs_transformers", {**details(same), "peer_batch": args.peer_batch,
+                         "peer": "transformers generate out of the box, greedy, same GPU, own process"},
+                         "output_tokens_per_s", same["output_tokens_per_s"], "tok/s", "transformers", peer)
+            table.append(("offline vs transformers", row))
+        if "offline" in parts:
+            ours = at(args.requests)
+            row = record(out, "offline_throughput", details(ours), "output_tokens_per_s", ours["output_tokens_per_s"],
+                         "tok/s")
+            table.append(("offline throughput", row))
+        for c in concurrency:
+            r = at(c)
+            lat = {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s")}
+            table.append((f"concurrency {c}", record(out, "throughput_vs_concurrency", {**base, "concurrency": c,
+                          "input_len": args.input_len, "output_len": args.output_len, "max_slots": r["max_slots"],
+                          **lat}, "output_tokens_per_s", r["output_tokens_per_s"], "tok/s")))
+        del engine, runs
+
+    # 3. time to first token alone against its compute floor (one chunk holds the whole prompt; median of 3)
+    if "ttft" in parts:
+        whole = -(-args.ttft_len // 16) * 16
+        engine = build(engine_config(model, 1, args.ttft_len, 1, args.reserve, whole, whole, (), args.cache_dir))
+        ttfts = [load(engine, 1, args.ttft_len, 1)["ttft_p50_s"] for _ in range(3)]
+        del engine
+        ttft = sorted(ttfts)[1]
+        floor = prefill_flops(cfg, args.ttft_len) / matmul_rate(dtype)
+        table.append((f"TTFT {args.ttft_len}", record(out, "ttft_vs_compute_floor", {**base, "prompt_len": args.ttft_len,
+                                                      "runs_s": ttfts, "ttft_over_floor": ttft / floor},
+                                                      "ttft_s", ttft, "s", "compute_floor", floor,
+                                                      higher_is_better=False)))
 
     print(f"\n{'figure':<26}{'value':>12} {'unit':<7}{'baseline':>12}{'ratio':>8}")
     for name, row in table:

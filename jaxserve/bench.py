@@ -9,6 +9,7 @@ from typing import Any
 
 from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams
+from jaxserve.engine.engine import Engine
 from jaxserve.step import build_engine, chunks_for, release_followers, sequence_parallel_chunks
 
 
@@ -42,19 +43,29 @@ def _powers_of_two_below(n: int) -> tuple[int, ...]:
 
 def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len: int,
               cfg: EngineConfig | None = None, seed: int = 0) -> dict[str, Any]:
-    """Submits every request at once and runs them to completion; returns throughput and latencies."""
+    """Builds an engine for the load, then runs it (`run_load`); adds the build's seconds as compile_s."""
     cfg = cfg or bench_config(num_requests, input_len, output_len)
     compile_start = time.perf_counter()
     engine = build_engine(model, cfg)
     compile_s = time.perf_counter() - compile_start
+    try:
+        return {**run_load(engine, num_requests, input_len, output_len, seed), "compile_s": compile_s}
+    finally:
+        release_followers(engine)
+
+
+def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int, seed: int = 0) -> dict[str, Any]:
+    """Submits `num_requests` random prompts at once to a built engine and runs them to completion; returns
+    throughput and latencies. An engine runs several loads in turn: give each its own seed, or the prefix
+    cache serves the prompts of the last one."""
     rng = random.Random(seed)
-    vocab = model.config.vocab_size
+    vocab = engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    preempted, steps = engine.scheduler.num_preemptions, engine.stats.steps
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start
-    release_followers(engine)
     ttft = [r.token_times[0] - r.submitted_at for r in requests]
     itl = [b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])]
     output_tokens = sum(len(r.output_ids) for r in requests)
@@ -64,8 +75,8 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
         "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": _percentile(ttft, 0.90),
         "ttft_p99_s": _percentile(ttft, 0.99), "itl_p50_s": statistics.median(itl) if itl else 0.0,
         "itl_p90_s": _percentile(itl, 0.90), "itl_p99_s": _percentile(itl, 0.99),
-        "preemptions": engine.scheduler.num_preemptions,
-        "engine_steps": engine.stats.steps, "max_slots": cfg.max_slots, "compile_s": compile_s,
+        "preemptions": engine.scheduler.num_preemptions - preempted,
+        "engine_steps": engine.stats.steps - steps, "max_slots": engine.cfg.max_slots,
     }
 
 

@@ -259,6 +259,8 @@ class EngineConfig:
     # Page-table widths of the compiled decode steps: a decode step attends over the smallest width
     # that holds its longest row, not over max_pages_per_slot. Empty: max_pages_per_slot only.
     decode_page_buckets: tuple[int, ...] = ()
+    # Row counts of the compiled decode steps (max_slots is always added). Empty: powers of 4 below max_slots.
+    decode_row_buckets: tuple[int, ...] = ()
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
@@ -274,6 +276,8 @@ class EngineConfig:
         if any(not 0 < p <= self.max_pages_per_slot for p in self.decode_page_buckets):
             raise JaxserveError(f"decode_page_buckets={self.decode_page_buckets} must lie in [1, max_pages_per_slot="
                                 f"{self.max_pages_per_slot}]")
+        if any(not 0 < r <= self.max_slots for r in self.decode_row_buckets):
+            raise JaxserveError(f"decode_row_buckets={self.decode_row_buckets} must lie in [1, max_slots={self.max_slots}]")
         if not self.prefill_rows or list(self.prefill_rows) != sorted(set(self.prefill_rows)) or self.prefill_rows[0] != 1:
             raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
         if self.prefill_tokens < 0:
@@ -330,7 +334,10 @@ class EngineConfig:
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
-        """Row counts of the compiled decode steps: powers of 4 below max_slots, and max_slots."""
+        """Row counts of the compiled decode steps: `decode_row_buckets` (default: powers of 4 below
+        max_slots), and max_slots."""
+        if self.decode_row_buckets:
+            return tuple(sorted(set(self.decode_row_buckets) | {self.max_slots}))
         sizes = {self.max_slots}
         n = 1
         while n < self.max_slots:

@@ -187,3 +187,16 @@ def test_negative_prefill_budget_is_rejected():
 
     with pytest.raises(JaxserveError, match="prefill_tokens must be >= 0"):
         EngineConfig(prefill_tokens=-1)
+
+
+def test_decode_row_buckets_choose_the_compiled_decode_rows():
+    import pytest
+
+    from jaxserve.errors import JaxserveError
+
+    assert EngineConfig(max_slots=200).decode_buckets == (1, 4, 16, 64, 200)
+    cfg = EngineConfig(max_slots=200, num_pages=12800, decode_row_buckets=(1, 64))
+    assert cfg.decode_buckets == (1, 64, 200)
+    assert [cfg.decode_rows_for(n) for n in (1, 2, 64, 65)] == [1, 64, 64, 200]
+    with pytest.raises(JaxserveError, match=r"decode_row_buckets=\(0, 4\) must lie in \[1, max_slots=8\]"):
+        EngineConfig(decode_row_buckets=(0, 4))
