@@ -215,8 +215,8 @@ def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int
 
 def chunks_for(chunk_sizes: tuple[int, ...], longest_prompt: int) -> tuple[int, ...]:
     """The chunk sizes a load can use: those below its longest prompt and the first that holds it."""
-    return tuple(c for c in chunk_sizes if c < longest_prompt) + (
-        next((c for c in chunk_sizes if c >= longest_prompt), max(chunk_sizes)),)
+    holds = next((c for c in chunk_sizes if c >= longest_prompt), max(chunk_sizes))  # or the largest, in chunks
+    return tuple(sorted({c for c in chunk_sizes if c < longest_prompt} | {holds}))
 
 
 def sequence_parallel_chunks(chunk_sizes: tuple[int, ...], sp: int) -> tuple[int, ...]:

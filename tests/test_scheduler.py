@@ -200,3 +200,11 @@ def test_decode_row_buckets_choose_the_compiled_decode_rows():
     assert [cfg.decode_rows_for(n) for n in (1, 2, 64, 65)] == [1, 64, 64, 200]
     with pytest.raises(JaxserveError, match=r"decode_row_buckets=\(0, 4\) must lie in \[1, max_slots=8\]"):
         EngineConfig(decode_row_buckets=(0, 4))
+
+
+def test_chunks_for_a_prompt_longer_than_every_chunk_lists_each_width_once():
+    from jaxserve.step import chunks_for
+
+    assert chunks_for((512,), 1000) == (512,)
+    assert chunks_for((16, 64, 256), 100) == (16, 64, 256)
+    assert chunks_for((16, 64, 256), 10) == (16,)
