@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +78,9 @@ def busy_ns(intervals: list[tuple[int, int]]) -> tuple[int, int]:
 
 
 def run_variant(cfg, weights, batch: int, context: int, steps: int, profile: bool):
+    start = time.perf_counter()
     step, state, inp = decode_step(cfg, weights, batch, context)
+    print(f"  batch {batch}: compiled and run once in {time.perf_counter() - start:.1f} s", flush=True)
     inp = {name: jnp.asarray(x) for name, x in inp.items()}  # inputs on the device: the step alone is timed
     times = []
     for _ in range(3):
