@@ -62,7 +62,7 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
     vocab = engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    preempted, steps = engine.scheduler.num_preemptions, engine.stats.steps
+    preempted, steps, waited = engine.scheduler.num_preemptions, engine.stats.steps, engine.stats.device_wait_s
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start
@@ -77,6 +77,9 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
         "itl_p90_s": _percentile(itl, 0.90), "itl_p99_s": _percentile(itl, 0.99),
         "preemptions": engine.scheduler.num_preemptions - preempted,
         "engine_steps": engine.stats.steps - steps, "max_slots": engine.cfg.max_slots,
+        # the share of the wall time the engine thread waited on the device; the rest is host work that the
+        # device overlaps only while a dispatched step is still running
+        "device_wait_fraction": (engine.stats.device_wait_s - waited) / wall,
     }
 
 

@@ -61,6 +61,7 @@ class EngineStats:
     prefill_steps: int = 0
     decode_steps: int = 0
     max_decode_rows: int = 0
+    device_wait_s: float = 0.0  # time the engine thread spent blocked on a step's result (the rest is host work)
 
 
 class Engine:
@@ -239,7 +240,9 @@ class Engine:
 
     def _complete(self, dispatched: Dispatched) -> None:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""
+        start = time.perf_counter()
         outputs = [(rows, result()) for rows, result in dispatched]
+        self.stats.device_wait_s += time.perf_counter() - start
         for rows, out in outputs:
             for i, chunk in enumerate(rows):
                 if chunk is not None:
