@@ -35,14 +35,11 @@ class StepInput:
         return (*self.tokens.shape, self.page_table.shape[1])  # type: ignore[return-value]
 
     @staticmethod
-    def build(rows: list[Chunk | None], width: int, pages_per_slot: int, max_slots: int,
-              page_tables: np.ndarray | None = None) -> StepInput:
+    def build(rows: list[Chunk | None], width: int, pages_per_slot: int, max_slots: int) -> StepInput:
         """Row i computes positions [start, start + length) of its request; None rows are padding.
 
-        `page_tables` [max_slots, >= pages_per_slot] holds each slot's pages (the scheduler's
-        `page_tables`); it is needed as soon as one row is not padding. A position past the tokens
-        the host knows holds the token the previous step sampled: the device takes it from its own
-        copy of each slot's last sample (`feed`).
+        A position past the tokens the host knows holds the token the previous step sampled: the
+        device takes it from its own copy of each slot's last sample (`feed`).
         """
         n = len(rows)
         inp = StepInput(
@@ -53,36 +50,26 @@ class StepInput:
             temperature=np.zeros(n, np.float32), top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
             want_top=np.zeros(n, bool),
         )
-        at = [i for i, row in enumerate(rows) if row is not None]
-        if not at:
-            return inp
-        assert page_tables is not None, "rows that are not padding need the slots' page tables"
-        chunks: list[Chunk] = [rows[i] for i in at]  # type: ignore[misc]
-        requests = [c.request for c in chunks]
-        for i, chunk in zip(at, chunks):  # the token ids: only a prefill row has more than one
-            known = chunk.request.token_ids(chunk.start, chunk.start + chunk.length)
-            if len(known) < chunk.length:
-                assert len(known) == chunk.length - 1 == 0, "only a decode row's one token can be still on the device"
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            request, start, length = row.request, row.start, row.length
+            ids = request.all_ids
+            known = ids[start:start + length]
+            inp.tokens[i, :len(known)] = known
+            if len(known) < length:
+                assert len(known) == length - 1 == 0, "only a decode row's one token can be still on the device"
                 inp.feed[i] = True
-            else:
-                inp.tokens[i, :len(known)] = known
-        slots = np.array([r.slot for r in requests], np.int32)
-        starts = np.array([c.start for c in chunks], np.int32)
-        lengths = np.array([c.length for c in chunks], np.int32)
-        offsets = np.arange(width, dtype=np.int32)
-        valid = offsets < lengths[:, None]
-        inp.slots[at] = slots
-        inp.valid[at] = valid
-        inp.positions[at] = np.where(valid, starts[:, None] + offsets, 0)
-        inp.page_table[at] = page_tables[slots, :pages_per_slot]
-        inp.last[at] = lengths - 1
-        params = [r.params for r in requests]
-        inp.seeds[at] = [p.seed for p in params]
-        inp.steps[at] = [max(0, len(r.output_ids) + r.unread - 1) for r in requests]
-        inp.temperature[at] = [p.temperature for p in params]
-        inp.top_k[at] = [p.top_k for p in params]
-        inp.top_p[at] = [p.top_p for p in params]
-        inp.want_top[at] = [p.logprobs > 0 for p in params]
+            assert request.slot is not None
+            inp.slots[i] = request.slot
+            inp.positions[i, :length] = np.arange(start, start + length)
+            inp.valid[i, :length] = True
+            inp.page_table[i, :len(request.pages)] = request.pages
+            inp.last[i] = length - 1
+            p = request.params
+            inp.seeds[i], inp.steps[i] = p.seed, max(0, len(request.output_ids) + request.unread - 1)
+            inp.temperature[i], inp.top_k[i], inp.top_p[i] = p.temperature, p.top_k, p.top_p
+            inp.want_top[i] = p.logprobs > 0
         return inp
 
 

@@ -75,8 +75,8 @@ class Engine:
         self.scheduler = Scheduler(cfg)
         self.stats = EngineStats()
         self._arrivals = itertools.count()
-        self._inbox: queue.SimpleQueue[tuple[str, Request]] = queue.SimpleQueue()
-        self._outboxes: dict[str, queue.SimpleQueue[Update]] = {}
+        self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
+        self._outboxes: dict[str, queue.Queue[Update]] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
@@ -109,7 +109,7 @@ class Engine:
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
                           frozenset(stop_ids), priority=priority)
         self.scheduler.check_fits(request)
-        self._outboxes[request.request_id] = queue.SimpleQueue()
+        self._outboxes[request.request_id] = queue.Queue()
         self._requests[request.request_id] = request  # so that a cancel right after submit is not lost
         self._inbox.put(("add", request))
         return request
@@ -119,7 +119,7 @@ class Engine:
         if request is not None:
             self._inbox.put(("cancel", request))
 
-    def outbox(self, request_id: str) -> queue.SimpleQueue[Update]:
+    def outbox(self, request_id: str) -> queue.Queue[Update]:
         return self._outboxes[request_id]
 
     def close_outbox(self, request_id: str) -> None:
@@ -236,8 +236,7 @@ class Engine:
 
     def _dispatch(self, rows: list[Chunk | None], width: int,
                   pages: int) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
-        return rows, self.runner.dispatch(StepInput.build(rows, width, pages, self.cfg.max_slots,
-                                                          self.scheduler.page_tables))
+        return rows, self.runner.dispatch(StepInput.build(rows, width, pages, self.cfg.max_slots))
 
     def _complete(self, dispatched: Dispatched) -> None:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""

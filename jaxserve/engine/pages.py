@@ -6,17 +6,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, count: int, chain: list[int] | None = None) -> list[int]:
-    """Hash chain of the first `count` full pages: each hash covers the whole prefix up to its page.
-
-    `chain` holds hashes computed before for the same tokens (a request keeps its own): only the pages
-    past it are hashed, and appended to it."""
-    hashes = [] if chain is None else chain
-    h = hashes[-1] if hashes else 0
-    for i in range(len(hashes), count):
+def page_hashes(token_ids: Sequence[int], page_size: int, count: int) -> list[int]:
+    """Hash chain of the first `count` full pages: each hash covers the whole prefix up to its page."""
+    hashes, h = [], 0
+    for i in range(count):
         h = hash((h, tuple(token_ids[i * page_size:(i + 1) * page_size])))
         hashes.append(h)
-    return hashes[:count]
+    return hashes
 
 
 class PageAllocator:

@@ -40,7 +40,6 @@ class Request:
     state: State = State.WAITING
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
-    page_hashes: list[int] = field(default_factory=list)  # hash chain of its full pages so far (engine.pages)
     num_computed: int = 0
     num_committed: int = 0
     unread: int = 0
@@ -56,15 +55,6 @@ class Request:
     def all_ids(self) -> list[int]:
         """The tokens the host knows: the prompt and the outputs read back so far."""
         return self.prompt_ids + self.output_ids
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """`all_ids[start:end]`, without building all of it."""
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        if start >= n:
-            return self.output_ids[start - n:end - n]
-        return self.prompt_ids[start:] + self.output_ids[:end - n]
 
     @property
     def num_tokens(self) -> int:

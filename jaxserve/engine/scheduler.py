@@ -17,8 +17,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from jaxserve.config import EngineConfig
 from jaxserve.engine.pages import PageAllocator, page_hashes
 from jaxserve.engine.request import Request, State
@@ -59,8 +57,6 @@ class Scheduler:
         self.cfg = cfg
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, shards=cfg.parallel.sp)
         self.slots = SlotTable(cfg.max_slots)
-        # Each slot's pages as the device wants them (a row per slot); kept equal to its request's `pages`.
-        self.page_tables = np.zeros((cfg.max_slots, cfg.max_pages_per_slot), np.int32)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -97,7 +93,7 @@ class Scheduler:
             request = self.waiting[0]
             assert not request.unread, "a preempted request's last token is read before it is admitted again"
             reusable = (request.num_tokens - 1) // self.cfg.page_size  # the last token's page stays private
-            hashes = page_hashes(request.all_ids, self.cfg.page_size, reusable, request.page_hashes)
+            hashes = page_hashes(request.all_ids, self.cfg.page_size, reusable)
             needed_now = -(-min(request.pending, self.cfg.max_chunk) // self.cfg.page_size)
             if self.pages.num_available < needed_now and self.running:
                 return  # wait for pages rather than thrash; with nothing running, admit and let it page in
@@ -112,7 +108,6 @@ class Scheduler:
             slot = self.slots.acquire()
             assert slot is not None
             request.slot = slot
-            self.page_tables[slot, :len(request.pages)] = request.pages
             request.state = State.RUNNING
             request.scheduled_at = request.scheduled_at or time.perf_counter()
             self.running.append(request)
@@ -161,8 +156,6 @@ class Scheduler:
         while len(request.pages) * self.cfg.page_size < upto:
             page = self.pages.allocate(len(request.pages))
             if page is not None:
-                assert request.slot is not None
-                self.page_tables[request.slot, len(request.pages)] = page
                 request.pages.append(page)
                 continue
             victim = max(self.running, key=lambda r: r.arrival)
@@ -189,7 +182,6 @@ class Scheduler:
             self.pages.release(page)
         request.pages = []
         if request.slot is not None:
-            self.page_tables[request.slot] = 0
             self.slots.release(request.slot)
             request.slot = None
 
@@ -209,7 +201,7 @@ class Scheduler:
             request.num_committed += chunk.length
             full_after = request.num_committed // size
             if full_after > full_before:
-                hashes = page_hashes(request.all_ids, size, full_after, request.page_hashes)
+                hashes = page_hashes(request.all_ids, size, full_after)
                 for i in range(full_before, full_after):
                     self.pages.register(request.pages[i], hashes[i])
         if not chunk.sample or token is None:
