@@ -63,25 +63,48 @@ class DeviceState(NamedTuple):
     last_tokens: jax.Array  # [max_slots] int32: each slot's latest sample, the next decode row's input
 
 
+SAMPLING_INPUTS = ("slots", "seeds", "steps", "temperature", "top_k", "top_p")
+
+
 def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
-            cfg: ModelConfig, attention: str | AttentionFn = "auto") -> tuple[jax.Array, DeviceState]:
-    """One forward over a bucket plus sampling; returns one packed array [rows, 2 + 2 * NUM_TOP]."""
+            cfg: ModelConfig, attention: str | AttentionFn = "auto") -> tuple[jax.Array, jax.Array, DeviceState]:
+    """One forward over a bucket, taking each row's greedy token -> (packed [rows, 2 + 2 * NUM_TOP] with no top
+    log-probabilities, logits [rows, vocab] float32, state).
+
+    Nothing here branches on a device value: XLA's GPU conditional copies its predicate to the host and
+    blocks the host until the stream reaches it (ConditionalThunk), so a `lax.cond` would stall every step's
+    launches behind its own forward pass. The host knows which steps sample or want top log-probabilities
+    (it built their inputs) and runs `sample_fn` on the logits after those."""
     fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
     first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
     tokens_in = inp["tokens"].at[:, 0].set(first)
     out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"], state.cache,
                   logit_indices=inp["last"], attention=attention)
     logits = out.logits[:, 0]
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
+    packed, last_tokens = _commit(logits, tokens, state.last_tokens, inp["slots"], none)
+    return packed, logits, DeviceState(out.cache, last_tokens)
+
+
+def sample_fn(logits: jax.Array, state: DeviceState, inp: dict[str, jax.Array]) -> tuple[jax.Array, DeviceState]:
+    """A step's tokens drawn with each row's sampling parameters, and every row's top log-probabilities, from the
+    step's logits -> (packed, state); replaces what `step_fn` returned for that step."""
     tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
-    last_tokens = state.last_tokens.at[inp["slots"]].set(tokens, mode="drop")
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
-    top_logprobs, top_ids = jax.lax.cond(  # the sort is skipped when no row asks for alternatives
-        jnp.any(inp["want_top"]), lambda: tuple(jax.lax.top_k(logprobs, NUM_TOP)),
-        lambda: (jnp.zeros((logits.shape[0], NUM_TOP), logprobs.dtype), jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32)))
-    packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32), top_logprobs],
-                             axis=-1)
-    return packed, DeviceState(out.cache, last_tokens)
+    top = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), NUM_TOP)
+    packed, last_tokens = _commit(logits, tokens, state.last_tokens, inp["slots"], (top[1], top[0]))
+    return packed, DeviceState(state.cache, last_tokens)
+
+
+def _commit(logits: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
+            top: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(packed [rows, 2 + 2 * NUM_TOP]: token, its log-probability, top ids, top log-probabilities; each slot's
+    last token, the next decode row's input, set to the row's token)."""
+    chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    top_ids, top_logprobs = top
+    packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32),
+                              top_logprobs.astype(jnp.float32)], axis=-1)
+    return packed, last_tokens.at[slots].set(tokens, mode="drop")
 
 
 class StepRunner:
@@ -129,16 +152,27 @@ class StepRunner:
             lowered.append(self._jit(step, bucket).lower(self.weights, self.state, example))
         # XLA compiles outside the GIL, so the buckets compile side by side. On the H100 an 8B model's 7 buckets
         # compiled (and ran once) in 399 s this way; one at a time, 4 of its 5 buckets took over 540 s.
+        # The sampler, for each row count of the buckets (see step_fn).
+        vocab = self.model_cfg.vocab_size
+        sampler_rows = sorted({r for r, _, _ in self.buckets})
+        for r in sampler_rows:
+            example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in
+                       vars(StepInput.build([None] * r, 1, 1, cfg.max_slots)).items() if name in SAMPLING_INPUTS}
+            lowered.append(self._jit_sampler(r).lower(jax.ShapeDtypeStruct((r, vocab), jnp.float32), self.state,
+                                                      example))
         with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-            self._compiled: dict[tuple[int, int, int], Any] = dict(
-                zip(self.buckets, pool.map(lambda low: low.compile(), lowered)))
+            executables = list(pool.map(lambda low: low.compile(), lowered))
+        self._compiled: dict[tuple[int, int, int], Any] = dict(zip(self.buckets, executables))
+        self._samplers: dict[int, Any] = dict(zip(sampler_rows, executables[len(self.buckets):]))
         compiled = time.perf_counter()
         # A first run of each bucket on padding rows (they write nothing): XLA initialises an executable
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
         # first requests' time to first token. Followers of a multi-host group run the same steps.
         # Kernels in interpret mode (a test setting) skip it: there each run is a whole slow interpretation.
+        sampled: set[int] = set()  # each sampler's first run follows the first bucket of its rows
         for r, width, pages in () if backend_lib.interpreted(cfg.attention) else self.buckets:
-            self._run(StepInput.build([None] * r, width, pages, cfg.max_slots))
+            self._run(StepInput.build([None] * r, width, pages, cfg.max_slots), sample=r not in sampled)
+            sampled.add(r)
         jax.block_until_ready(self.state)
         log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
                  time.perf_counter() - compiled)
@@ -149,7 +183,20 @@ class StepRunner:
         state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
         weights = jax.tree_util.tree_map(lambda x: x.sharding, self.weights)
         return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, state, self.plan.input_shardings(bucket)),
+                       out_shardings=(self.plan.replicated(), self._logits_sharding(bucket[0]), state))
+
+    def _jit_sampler(self, rows: int) -> Any:
+        if self.plan is None:
+            return jax.jit(sample_fn, donate_argnums=(1,))
+        state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
+        inputs = {name: self.plan.replicated() for name in SAMPLING_INPUTS}
+        return jax.jit(sample_fn, donate_argnums=(1,), in_shardings=(self._logits_sharding(rows), state, inputs),
                        out_shardings=(self.plan.replicated(), state))
+
+    def _logits_sharding(self, rows: int) -> Any:
+        assert self.plan is not None
+        return self.plan.sharding(sharding.logical_spec(("batch", "vocab"), (rows, self.model_cfg.vocab_size),
+                                                        self.plan.mesh))
 
     def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]:
         """Enqueues a step on the device and returns at once; calling the result waits and copies it back."""
@@ -162,16 +209,22 @@ class StepRunner:
             return lambda: StepOutput.unpack(np.asarray(packed.addressable_data(0)))
         return lambda: StepOutput.unpack(np.asarray(packed))
 
-    def _run(self, inp: StepInput) -> jax.Array:
+    def _run(self, inp: StepInput, sample: bool | None = None) -> jax.Array:
+        """Enqueues the step of `inp`, then the sampler on its logits if a row samples or wants top
+        log-probabilities (or if `sample`); returns the packed result of the last."""
+        if sample is None:
+            sample = bool(inp.temperature.any() or inp.want_top.any())
         compiled = self._compiled[inp.shape]
-        if self.plan is None:
-            packed, self.state = compiled(self.weights, self.state, vars(inp))
-            return packed
-        arrays = vars(self.plan.reorder(inp))
-        if self.lockstep is not None:  # a mesh over processes takes global arrays; each process gives its shards
-            shardings = self.plan.input_shardings(inp.shape)
-            arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
-        packed, self.state = compiled(self.weights, self.state, arrays)
+        arrays = vars(inp)
+        if self.plan is not None:
+            arrays = vars(self.plan.reorder(inp))
+            if self.lockstep is not None:  # a mesh over processes takes global arrays; each process gives its shards
+                shardings = self.plan.input_shardings(inp.shape)
+                arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
+        packed, logits, self.state = compiled(self.weights, self.state, arrays)
+        if sample:
+            packed, self.state = self._samplers[inp.shape[0]](logits, self.state,
+                                                              {name: arrays[name] for name in SAMPLING_INPUTS})
         return packed
 
     def follow(self) -> None:

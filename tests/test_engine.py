@@ -178,3 +178,16 @@ def test_engine_thread_streams_updates_through_outboxes(smollm, alone_engine):
             assert text.startswith(" Paris")
     finally:
         alone_engine.stop()
+
+
+def test_no_step_branches_on_a_device_value(small):
+    """XLA's GPU conditional (and loop) blocks the host until the stream reaches it: a step has neither. Sampling,
+    where the random draws may loop, runs after the step, only for steps where a row samples."""
+    from jaxserve.step import StepRunner
+
+    runner = StepRunner(small, EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4,
+                                            chunk_buckets=(16,)))
+    assert sorted(runner._samplers) == [1, 2]
+    for compiled in runner._compiled.values():
+        text = compiled.as_text()
+        assert " conditional(" not in text and " while(" not in text

@@ -18,13 +18,10 @@ def sample(
     top_k: jax.Array,  # [b] int32; 0 means no limit
     top_p: jax.Array,  # [b] float32; 1 means no limit
 ) -> jax.Array:  # [b] int32
-    """Draws one token per row; an all-greedy batch skips the vocabulary sort."""
+    """Draws one token per row (greedy where the temperature is 0). Every row pays the vocabulary sort: the
+    engine calls this only for steps where some row samples (jaxserve.step), deciding on the host."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jnp.where(temperature > 0, _draw(logits, seeds, steps, temperature, top_k, top_p), greedy),
-        lambda: greedy,
-    )
+    return jnp.where(temperature > 0, _draw(logits, seeds, steps, temperature, top_k, top_p), greedy)
 
 
 def _draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperature: jax.Array, top_k: jax.Array,
