@@ -84,7 +84,10 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
                        prefill_rows=(1, 2, 4, 8), prefill_tokens=prefill_tokens)
     itemsize = model.weights.final_norm.dtype.itemsize
     slots = slots_that_fit(model.config, cfg.max_pages_per_slot, cfg.page_size, itemsize, cfg.max_slots, reserve)
-    return dataclasses.replace(cfg, max_slots=slots, num_pages=slots * cfg.max_pages_per_slot,
+    # One decode page width: the Pallas decode kernel reads each row's own length whatever the table's width
+    # (narrower widths only help XLA's attention, which gathers the whole table), and each width is another
+    # compile of every decode row count (about 100 s for an 8B bucket).
+    return dataclasses.replace(cfg, max_slots=slots, num_pages=slots * cfg.max_pages_per_slot, decode_page_buckets=(),
                                prefill_rows=tuple(r for r in cfg.prefill_rows if r <= slots),
                                decode_row_buckets=tuple(sorted({r for r in decode_rows if 0 < r < slots} | {slots})),
                                compilation_cache_dir=cache_dir)

@@ -87,13 +87,17 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     return packed, logits, DeviceState(out.cache, last_tokens)
 
 
-def sample_fn(logits: jax.Array, state: DeviceState, inp: dict[str, jax.Array]) -> tuple[jax.Array, DeviceState]:
+def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """A step's tokens drawn with each row's sampling parameters, and every row's top log-probabilities, from the
-    step's logits -> (packed, state); replaces what `step_fn` returned for that step."""
+    step's logits -> (packed, last_tokens); replaces what `step_fn` returned for that step."""
     tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
     top = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), NUM_TOP)
-    packed, last_tokens = _commit(logits, tokens, state.last_tokens, inp["slots"], (top[1], top[0]))
-    return packed, DeviceState(state.cache, last_tokens)
+    return _commit(logits, tokens, last_tokens, inp["slots"], (top[1], top[0]))
+
+
+# One jit for every single-device runner of a process: a sampler depends only on (rows, vocab, max_slots), so
+# engines of the same model share its compilations.
+_sample = jax.jit(sample_fn, donate_argnums=(1,))
 
 
 def _commit(logits: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
@@ -152,27 +156,25 @@ class StepRunner:
             lowered.append(self._jit(step, bucket).lower(self.weights, self.state, example))
         # XLA compiles outside the GIL, so the buckets compile side by side. On the H100 an 8B model's 7 buckets
         # compiled (and ran once) in 399 s this way; one at a time, 4 of its 5 buckets took over 540 s.
-        # The sampler, for each row count of the buckets (see step_fn).
-        vocab = self.model_cfg.vocab_size
-        sampler_rows = sorted({r for r, _, _ in self.buckets})
-        for r in sampler_rows:
-            example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in
-                       vars(StepInput.build([None] * r, 1, 1, cfg.max_slots)).items() if name in SAMPLING_INPUTS}
-            lowered.append(self._jit_sampler(r).lower(jax.ShapeDtypeStruct((r, vocab), jnp.float32), self.state,
-                                                      example))
         with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-            executables = list(pool.map(lambda low: low.compile(), lowered))
-        self._compiled: dict[tuple[int, int, int], Any] = dict(zip(self.buckets, executables))
-        self._samplers: dict[int, Any] = dict(zip(sampler_rows, executables[len(self.buckets):]))
+            self._compiled: dict[tuple[int, int, int], Any] = dict(
+                zip(self.buckets, pool.map(lambda low: low.compile(), lowered)))
+        # The sampler (see step_fn) for each row count of the buckets, compiled by a first run on padding rows.
+        self._samplers = {r: self._jit_sampler(r) for r, _, _ in self.buckets}
+        for r in self._samplers:
+            padding: dict[str, Any] = vars(StepInput.build([None] * r, 1, 1, cfg.max_slots))
+            logits: Any = np.zeros((r, self.model_cfg.vocab_size), np.float32)
+            if self.plan is not None:  # global arrays, as a mesh over processes needs
+                logits = sharding.put(logits, self._logits_sharding(r))
+                padding = {name: sharding.put(x, self.plan.replicated()) for name, x in padding.items()}
+            self._sample(r, logits, padding)
         compiled = time.perf_counter()
         # A first run of each bucket on padding rows (they write nothing): XLA initialises an executable
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
         # first requests' time to first token. Followers of a multi-host group run the same steps.
         # Kernels in interpret mode (a test setting) skip it: there each run is a whole slow interpretation.
-        sampled: set[int] = set()  # each sampler's first run follows the first bucket of its rows
         for r, width, pages in () if backend_lib.interpreted(cfg.attention) else self.buckets:
-            self._run(StepInput.build([None] * r, width, pages, cfg.max_slots), sample=r not in sampled)
-            sampled.add(r)
+            self._run(StepInput.build([None] * r, width, pages, cfg.max_slots))
         jax.block_until_ready(self.state)
         log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
                  time.perf_counter() - compiled)
@@ -187,11 +189,17 @@ class StepRunner:
 
     def _jit_sampler(self, rows: int) -> Any:
         if self.plan is None:
-            return jax.jit(sample_fn, donate_argnums=(1,))
-        state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
+            return _sample
         inputs = {name: self.plan.replicated() for name in SAMPLING_INPUTS}
-        return jax.jit(sample_fn, donate_argnums=(1,), in_shardings=(self._logits_sharding(rows), state, inputs),
-                       out_shardings=(self.plan.replicated(), state))
+        return jax.jit(sample_fn, donate_argnums=(1,), in_shardings=(self._logits_sharding(rows), self.plan.replicated(),
+                                                                     inputs),
+                       out_shardings=(self.plan.replicated(), self.plan.replicated()))
+
+    def _sample(self, rows: int, logits: jax.Array, arrays: dict[str, Any]) -> jax.Array:
+        packed, last_tokens = self._samplers[rows](logits, self.state.last_tokens,
+                                                   {name: arrays[name] for name in SAMPLING_INPUTS})
+        self.state = DeviceState(self.state.cache, last_tokens)
+        return packed
 
     def _logits_sharding(self, rows: int) -> Any:
         assert self.plan is not None
@@ -209,11 +217,9 @@ class StepRunner:
             return lambda: StepOutput.unpack(np.asarray(packed.addressable_data(0)))
         return lambda: StepOutput.unpack(np.asarray(packed))
 
-    def _run(self, inp: StepInput, sample: bool | None = None) -> jax.Array:
+    def _run(self, inp: StepInput) -> jax.Array:
         """Enqueues the step of `inp`, then the sampler on its logits if a row samples or wants top
-        log-probabilities (or if `sample`); returns the packed result of the last."""
-        if sample is None:
-            sample = bool(inp.temperature.any() or inp.want_top.any())
+        log-probabilities; returns the packed result of the last."""
         compiled = self._compiled[inp.shape]
         arrays = vars(inp)
         if self.plan is not None:
@@ -222,9 +228,8 @@ class StepRunner:
                 shardings = self.plan.input_shardings(inp.shape)
                 arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
         packed, logits, self.state = compiled(self.weights, self.state, arrays)
-        if sample:
-            packed, self.state = self._samplers[inp.shape[0]](logits, self.state,
-                                                              {name: arrays[name] for name in SAMPLING_INPUTS})
+        if inp.temperature.any() or inp.want_top.any():
+            packed = self._sample(inp.shape[0], logits, arrays)
         return packed
 
     def follow(self) -> None:
