@@ -56,3 +56,23 @@ def test_pallas_kernels_on_the_gpu_generate_what_xla_generates(tiny):
     assert jax.default_backend() == "gpu"
     reference = generate(tiny, "reference", PROMPTS, 12)
     assert generate(tiny, "pallas", PROMPTS, 12) == reference
+
+
+@pytest.mark.gpu
+def test_sampled_steps_with_top_logprobs_on_the_gpu(tiny):
+    """The sampler runs after the step (jaxserve.step.sample_fn): seeded draws repeat, and each row's top
+    log-probabilities are sorted and start at or above its chosen token's."""
+    assert jax.default_backend() == "gpu"
+    cfg = EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4, chunk_buckets=(16,),
+                       attention="pallas")
+    engine = build_engine(tiny, cfg)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_p=0.95, seed=s, logprobs=3)
+              for s in (1, 2)]
+    first = engine.generate(PROMPTS, params)
+    again = engine.generate(PROMPTS, params)
+    assert [r.output_ids for r in first] == [r.output_ids for r in again]
+    for request in first:
+        assert len(request.logprobs) == 6
+        for chosen, top in request.logprobs:
+            values = [lp for _, lp in top]
+            assert values == sorted(values, reverse=True) and values[0] >= chosen - 1e-5
