@@ -22,11 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import record  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+from jaxserve.bench import percentile  # noqa: E402
 
 
 def run_clients(address: str, prompts: list[list[int]], output_len: int) -> dict[str, float]:

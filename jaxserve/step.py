@@ -83,7 +83,7 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     logits = out.logits[:, 0]
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
-    packed, last_tokens = _commit(logits, tokens, state.last_tokens, inp["slots"], none)
+    packed, last_tokens = _commit(jax.nn.log_softmax(logits, axis=-1), tokens, state.last_tokens, inp["slots"], none)
     return packed, logits, DeviceState(out.cache, last_tokens)
 
 
@@ -91,8 +91,9 @@ def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Arra
     """A step's tokens drawn with each row's sampling parameters, and every row's top log-probabilities, from the
     step's logits -> (packed, last_tokens); replaces what `step_fn` returned for that step."""
     tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
-    top = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), NUM_TOP)
-    return _commit(logits, tokens, last_tokens, inp["slots"], (top[1], top[0]))
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    return _commit(logprobs, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
 
 
 # One jit for every single-device runner of a process: a sampler depends only on (rows, vocab, max_slots), so
@@ -100,11 +101,11 @@ def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Arra
 _sample = jax.jit(sample_fn, donate_argnums=(1,))
 
 
-def _commit(logits: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
+def _commit(logprobs: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
             top: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(packed [rows, 2 + 2 * NUM_TOP]: token, its log-probability, top ids, top log-probabilities; each slot's
     last token, the next decode row's input, set to the row's token)."""
-    chosen = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
     top_ids, top_logprobs = top
     packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32),
                               top_logprobs.astype(jnp.float32)], axis=-1)
