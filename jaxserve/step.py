@@ -81,10 +81,22 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"], state.cache,
                   logit_indices=inp["last"], attention=attention)
     logits = out.logits[:, 0]
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens, chosen = _greedy(logits)
     none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
-    packed, last_tokens = _commit(jax.nn.log_softmax(logits, axis=-1), tokens, state.last_tokens, inp["slots"], none)
+    packed, last_tokens = _commit(chosen, tokens, state.last_tokens, inp["slots"], none)
     return packed, logits, DeviceState(out.cache, last_tokens)
+
+
+def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's most likely token (the first, on ties) and its log-probability, in three passes over the
+    logits (max, first index of the max, log-sum-exp) that XLA:CPU vectorises; argmax's variadic reduction
+    and a whole log-softmax took 4.4 ms at 32 rows of the embedded model's vocabulary, this 2.5.
+    A row with a NaN logit gets a NaN log-probability (the engine ends its request) and token 0."""
+    best = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    tokens = jnp.min(jnp.where(logits == best, ids, logits.shape[-1]), axis=-1)
+    tokens = jnp.where(tokens < logits.shape[-1], tokens, 0)
+    return tokens, -jnp.log(jnp.sum(jnp.exp(logits - best), axis=-1))
 
 
 def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -93,7 +105,8 @@ def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Arra
     tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
-    return _commit(logprobs, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    return _commit(chosen, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
 
 
 # One jit for every single-device runner of a process: a sampler depends only on (rows, vocab, max_slots), so
@@ -101,13 +114,12 @@ def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Arra
 _sample = jax.jit(sample_fn, donate_argnums=(1,))
 
 
-def _commit(logprobs: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
+def _commit(chosen: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
             top: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(packed [rows, 2 + 2 * NUM_TOP]: token, its log-probability, top ids, top log-probabilities; each slot's
-    last token, the next decode row's input, set to the row's token)."""
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
+    """(packed [rows, 2 + 2 * NUM_TOP]: token, its log-probability `chosen`, top ids, top log-probabilities; each
+    slot's last token, the next decode row's input, set to the row's token)."""
     top_ids, top_logprobs = top
-    packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen, top_ids.astype(jnp.float32),
+    packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen[:, None], top_ids.astype(jnp.float32),
                               top_logprobs.astype(jnp.float32)], axis=-1)
     return packed, last_tokens.at[slots].set(tokens, mode="drop")
 
