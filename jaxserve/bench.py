@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -20,9 +21,11 @@ def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slot
                  prefill_rows: tuple[int, ...] = (1, 2, 8), prefill_tokens: int | None = None,
                  attention: str = "auto", parallel: ParallelConfig | None = None) -> EngineConfig:
     """Slots and pages for the load. Only the buckets the load can use are compiled: decode page tables
-    of 2^k pages from the first that holds a prompt and its first token, chunks up to the first that
-    holds a prompt, rows up to the number of requests. One step prefills up to `prefill_tokens`
-    (default: the largest of `chunk_buckets`, whichever widths are compiled)."""
+    from the first width that holds a prompt and its first token, each at most 1.25x the last (XLA's
+    attention reads the whole table, so its cost follows the width), decode rows of half the slots and
+    all of them (the load's requests start and end together; fewer rows pad to half), chunks up to the
+    first that holds a prompt, prefill rows up to the number of requests. One step prefills up to
+    `prefill_tokens` (default: the largest of `chunk_buckets`, whichever widths are compiled)."""
     parallel = parallel or ParallelConfig()
     slots = max_slots or min(num_requests, 64)
     chunk_buckets = sequence_parallel_chunks(chunk_buckets, parallel.sp)
@@ -35,12 +38,16 @@ def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slot
     return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
                         max_pages_per_slot=pages_per_slot, chunk_buckets=chunk_buckets,
                         prefill_rows=prefill_rows, prefill_tokens=budget, attention=attention,
-                        decode_page_buckets=tuple(w for w in _powers_of_two_below(pages_per_slot) if w >= prompt_pages),
-                        parallel=parallel)
+                        decode_page_buckets=_geometric(min(prompt_pages, pages_per_slot), pages_per_slot, 1.25),
+                        decode_row_buckets=(max(1, slots // 2),), parallel=parallel)
 
 
-def _powers_of_two_below(n: int) -> tuple[int, ...]:
-    return tuple(1 << i for i in range(n.bit_length()) if 1 << i < n)
+def _geometric(low: int, high: int, ratio: float) -> tuple[int, ...]:
+    """Widths from `low` to `high`, each the larger of the last plus one and the last times `ratio`, rounded up."""
+    widths = [low]
+    while widths[-1] < high:
+        widths.append(min(high, max(widths[-1] + 1, math.ceil(widths[-1] * ratio))))
+    return tuple(widths)
 
 
 def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len: int,
