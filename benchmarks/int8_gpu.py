@@ -77,7 +77,7 @@ def decode_step(cfg: ModelConfig, weights, batch: int, context: int):
     state = DeviceState(KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
     step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
-    packed, state = step(weights, state, inp)
+    packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp
 
@@ -86,7 +86,7 @@ def run_steps(step, weights, state, inp, steps: int):
     """(seconds per step, state) of `steps` steps dispatched back to back, as the engine does."""
     t0 = time.perf_counter()
     for _ in range(steps):
-        packed, state = step(weights, state, inp)
+        packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return (time.perf_counter() - t0) / steps, state
 
