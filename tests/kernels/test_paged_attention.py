@@ -117,6 +117,15 @@ class TestMosaicGPUInterpret(InterpretSuite):
         truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend, "bfloat16")
 
+    def test_default_splits_make_one_wave(self):
+        from pallas_kernels.paged_attention.mosaic_gpu import NUM_SMS, default_splits
+
+        assert default_splits(1, 8, 1504, 128) == 11  # one block a split: 88 programs
+        assert default_splits(1, 8, 8192, 128) == -(-NUM_SMS // 8)  # one wave
+        assert default_splits(8, 8, 8192, 128) == 3  # 192 programs, not 320
+        assert default_splits(1, 8, 100, 128) == 1  # shorter than a block
+        assert default_splits(32, 8, 8192, 128) == 1  # 256 (slot, head) pairs fill the chip unsplit
+
     def test_shared_memory_limit_is_named(self):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
