@@ -42,3 +42,20 @@ def test_seed_and_step_make_draws_reproducible_and_distinct():
     assert (draw(seeds=same) == draw(seeds=same)).all()
     assert len(set(draw(seeds=same))) == 1  # one seed, one step: one key for every row
     assert not (draw(steps=0) == draw(steps=1)).all()
+
+
+def test_greedy_step_takes_the_first_best_token_and_its_log_probability():
+    from jaxserve.step import _greedy
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((4, 1000)).astype(np.float32) * 4
+    logits[1, [7, 500]] = 50.0  # a tie: the first index wins, as argmax's
+    logits[2, 3] = np.nan
+    tokens, chosen = (np.asarray(x) for x in _greedy(jnp.asarray(logits)))
+    for row in (0, 1, 3):
+        assert tokens[row] == np.argmax(logits[row])
+        x = logits[row].astype(np.float64)
+        log_softmax = x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+        assert abs(chosen[row] - log_softmax[tokens[row]]) < 1e-5
+    assert tokens[1] == 7
+    assert np.isnan(chosen[2]) and 0 <= tokens[2] < 1000  # the engine ends a request whose log-probability is NaN

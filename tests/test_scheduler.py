@@ -227,3 +227,14 @@ def test_chunks_for_a_prompt_longer_than_every_chunk_lists_each_width_once():
     assert chunks_for((512,), 1000) == (512,)
     assert chunks_for((16, 64, 256), 100) == (16, 64, 256)
     assert chunks_for((16, 64, 256), 10) == (16,)
+
+
+def test_bench_compiles_page_widths_at_most_a_quarter_apart_and_two_row_counts():
+    from jaxserve.bench import bench_config
+
+    cfg = bench_config(32, 32, 128)  # 10 pages a slot; a prompt and its first token fill 3
+    assert cfg.decode_page_widths == (3, 4, 5, 7, 9, 10)
+    assert cfg.decode_buckets == (16, 32)
+    assert [cfg.decode_rows_for(n) for n in (8, 16, 17)] == [16, 16, 32]
+    one = bench_config(1, 2000, 1)
+    assert one.decode_page_widths == (126,) and one.decode_buckets == (1,)

@@ -59,7 +59,7 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
     """Sequence splits per (slot, KV head): enough for one wave of programs over the SMs, at least one block
     each. On the H100 (`benchmarks/small_batch_gpu.py`) this beat two waves of at least four blocks a split:
     batch 1 at 1,504 tokens 25 against 38 us, batch 8 at 8,192 tokens 117-128 against 143 us, and the 8B
-    decode step at batch 1 ran 2.7 % faster (6.44 against 6.61 ms)."""
+    decode step at batch 1 ran 2.5 % faster (6.41 against 6.57 ms, both rules built in one process)."""
     programs = batch * kv_heads
     if programs >= NUM_SMS:
         return 1
