@@ -4,9 +4,8 @@
    (`default_splits`), as K/V bandwidth over a device copy measured in the same run.
 2. The 8B decode step at batch 1 (jaxserve's step function) with the kernel's split rule and with the
    rule it replaced (`two_waves`), both compiled in this process and timed alternately.
-3. The 8B prefill step of one --prefill-len prompt with jaxserve's RoPE and with the one it replaced
-   (`rope_joined_first`), timed alternately, beside its matrix-product floor at the bf16 rate measured
-   here; a profile of the first names the kernels that take the time.
+3. A profile of the 8B prefill step of one --prefill-len prompt: wall time and the kernels that take it,
+   beside its matrix-product floor at the bf16 rate measured here.
 
     PYTHONPATH=. python3 benchmarks/small_batch_gpu.py [--parts splits,step,prefill]
 """
@@ -116,22 +115,10 @@ def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
         print(table[-1], flush=True)
 
 
-def rope_joined_first(x, positions, inv_freq):
-    """RoPE as it was before 2026-11-24: a rotated copy of x joined first, then one multiply-add."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
-    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
-
-
 def prefill_profile(weights, length: int, table: list[str]) -> None:
-    """The prefill step of one `length`-token prompt, with jaxserve's RoPE and with `rope_joined_first`, built in
-    this process and timed alternately; the kernels of the first from a profile."""
-    from jaxserve.model import transformer
-
     cfg = LLAMA_8B
     pages = -(-(length + 1) // PAGE_SIZE)
+    state = DeviceState(KVCache.zeros(cfg, pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(1, jnp.int32))
     inp = vars(StepInput.build([None], length, pages, 1))
     inp["tokens"][0] = np.random.default_rng(0).integers(0, cfg.vocab_size, length)
     inp["positions"][0] = np.arange(length)
@@ -140,45 +127,31 @@ def prefill_profile(weights, length: int, table: list[str]) -> None:
     inp["last"][0] = length - 1
     inp["slots"][0] = 0
     inp = {k: jnp.asarray(v) for k, v in inp.items()}
-    built = {}
-    original = transformer.apply_rope
-    for name, rope in (("rope", original), ("rope_joined_first", rope_joined_first)):
-        transformer.apply_rope = rope
-        try:
-            state = DeviceState(KVCache.zeros(cfg, pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(1, jnp.int32))
-            start = time.perf_counter()
-            step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state,
-                                                                                                  inp).compile()
-            print(f"  prefill {length} ({name}): compiled in {time.perf_counter() - start:.0f} s", flush=True)
-            built[name] = [step, state]
-        finally:
-            transformer.apply_rope = original
-    times = {name: [] for name in built}
+    start = time.perf_counter()
+    step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
+    print(f"  prefill {length}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
+    times = []
     for _ in range(7):
-        for name, entry in built.items():
-            t0 = time.perf_counter()
-            packed, _, entry[1] = entry[0](weights, entry[1], inp)
-            jax.block_until_ready(packed)
-            times[name].append(time.perf_counter() - t0)
-    floor = prefill_flops(cfg, length) / matmul_rate(jnp.bfloat16)
-    base = float(np.median(times["rope_joined_first"][2:]))
-    step, state = built["rope"]
+        t0 = time.perf_counter()
+        packed, _, state = step(weights, state, inp)
+        jax.block_until_ready(packed)
+        times.append(time.perf_counter() - t0)
+    wall = float(np.median(times[2:]))
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
         packed, _, state = step(weights, state, inp)
         jax.block_until_ready(packed)
     intervals, time_by, count_by = device_intervals(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
     busy, _ = busy_ns(intervals)
-    for name, ts in times.items():
-        wall = float(np.median(ts[2:]))
-        record(OUT, "prefill_step_rope_ab", {"prompt_len": length, "rope": name, "runs_s": ts, "compute_floor_s": floor},
-               "seconds", wall, "s", "rope_joined_first", base, higher_is_better=False)
-        table.append(f"prefill {length} {name:18s}: {wall * 1e3:.1f} ms = {wall / floor:.2f}x its floor "
-                     f"{floor * 1e3:.1f} ms ({base / wall:.3f}x rope_joined_first)")
-    table.append(f"  profile of 'rope': busy {busy / 1e6:.1f} ms")
+    floor = prefill_flops(cfg, length) / matmul_rate(jnp.bfloat16)
+    record(OUT, "prefill_step_vs_floor", {"prompt_len": length, "busy_s": busy / 1e9,
+                                          "top": [(n, t / 1e3, count_by[n]) for n, t in time_by.most_common(12)]},
+           "seconds", wall, "s", "compute_floor", floor, higher_is_better=False)
+    table.append(f"prefill {length}: {wall * 1e3:.1f} ms, busy {busy / 1e6:.1f} ms, floor {floor * 1e3:.1f} ms "
+                 f"({wall / floor:.2f}x)")
     for n, t in time_by.most_common(12):
         table.append(f"    {t / 1e3:9.1f} us  x{count_by[n]:4d}  {n}")
-    print("\n".join(table[-15:]), flush=True)
+    print("\n".join(table[-13:]), flush=True)
 
 
 def main() -> None:

@@ -55,15 +55,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout).
-
-    The two halves are rotated apart and joined once, at the end, where XLA fuses the join into the
-    rotation's own kernel (a rotated copy of x, joined first, was a kernel of its own on the GPU)."""
-    angles = (positions[..., None].astype(jnp.float32) * inv_freq)[:, :, None, :]  # [b, s, 1, hd/2]
+    """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout)."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
 
 
 def _layer(
