@@ -64,6 +64,14 @@ def device_intervals(path: str) -> tuple[list[tuple[int, int]], collections.Coun
     return intervals, time_by, count_by
 
 
+def device_profile(run) -> tuple[list[tuple[int, int]], collections.Counter, collections.Counter]:
+    """device_intervals of a profile taken while `run()` runs (it must wait for its own results)."""
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        run()
+    return device_intervals(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+
+
 def busy_ns(intervals: list[tuple[int, int]]) -> tuple[int, int]:
     """(union of the intervals, span from the first start to the last end)."""
     total, end = 0, None
@@ -89,12 +97,8 @@ def run_variant(cfg, weights, batch: int, context: int, steps: int, profile: boo
     wall = float(np.median(times))
     prof = None
     if profile:
-        d = tempfile.mkdtemp()
-        with jax.profiler.trace(d):
-            _, state = run_steps(step, weights, state, inp, steps)
-        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-        if paths:
-            intervals, time_by, count_by = device_intervals(paths[0])
+        intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, steps))
+        if intervals:
             busy, span = busy_ns(intervals)
             prof = {"busy_per_step_s": busy / steps / 1e9, "span_per_step_s": span / steps / 1e9,
                     "kernels_per_step": len(intervals) / steps,

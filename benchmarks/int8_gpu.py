@@ -70,13 +70,18 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
     return vars(inp)
 
 
+def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict):
+    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated)."""
+    return jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
+
+
 def decode_step(cfg: ModelConfig, weights, batch: int, context: int):
     """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
     step_fn compiled like the engine's steps (the state donated), run once."""
     pages = -(-(context + 1) // PAGE_SIZE)
     state = DeviceState(KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
-    step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
+    step = compile_step(cfg, weights, state, inp)
     packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp

@@ -1,7 +1,7 @@
 """Where small-batch decode and a long prefill lose time on the GPU (issue 10), in one run.
 
-1. The paged decode kernel at batch 1 and 8 for several sequence-split counts against the default
-   (`default_splits`), as K/V bandwidth over a device copy measured in the same run.
+1. The paged decode kernel at batch 1 and 8 for several sequence-split counts (those of the kernel's
+   `default_splits` among them) against the rule it replaced (`two_waves`), each a time in microseconds.
 2. The 8B decode step at batch 1 (jaxserve's step function) with the kernel's split rule and with the
    rule it replaced (`two_waves`), both compiled in this process and timed alternately.
 3. A profile of the 8B prefill step of one --prefill-len prompt: wall time and the kernels that take it,
@@ -13,10 +13,8 @@
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -25,14 +23,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record, repeated, timed  # noqa: E402
-from benchmarks.decode_profile_gpu import busy_ns, device_intervals, step_bytes  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, decode_step, run_steps  # noqa: E402
+from benchmarks.decode_profile_gpu import busy_ns, device_profile, step_bytes  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from benchmarks.serving_gpu import matmul_rate, prefill_flops  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.weights import random_weights  # noqa: E402
-from jaxserve.step import DeviceState, step_fn  # noqa: E402
+from jaxserve.step import DeviceState  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E402
 
@@ -52,10 +50,10 @@ def splits_sweep(copy_bw: float, table: list[str]) -> None:
             table_ = jnp.asarray(testing.random_page_table(rng, batch, pages, batch * pages))
             lengths = jnp.full((batch,), ctx, jnp.int32)
             nbytes = 2 * batch * ctx * kv * hd * 2
-            default = two_waves(batch, kv, ctx, 128)  # the baseline of the 2026-11-24 sweep
+            old = two_waves(batch, kv, ctx, 128)  # the rule this sweep replaced: its baseline
             expect = np.asarray(jax.jit(decode_gpu.paged_attention)(q, kp, vp, table_, lengths), np.float32)
             times = {}
-            for splits in sorted({default, decode_gpu.default_splits(batch, kv, ctx, 128), 2, 4, 8, 12, 16, 24, 32}):
+            for splits in sorted({old, decode_gpu.default_splits(batch, kv, ctx, 128), 2, 4, 8, 12, 16, 24, 32}):
                 if splits * 64 > ctx:
                     continue
                 for bk in (64, 128):
@@ -67,14 +65,14 @@ def splits_sweep(copy_bw: float, table: list[str]) -> None:
                     err = float(np.linalg.norm(out - expect) / np.linalg.norm(expect))
                     assert err < 2e-2, (batch, ctx, splits, bk, err)
                     times[(splits, bk)] = timed(repeated(fn, reps), q, kp, vp, table_, lengths, reps=5) / reps
-            base = times[(default, 128)]
+            base = times[(old, 128)]
             best = min(times, key=times.get)
             for (splits, bk), t in sorted(times.items()):
-                config = {"batch": batch, "context": ctx, "num_splits": splits, "block_k": bk, "two_wave_splits": default,
+                config = {"batch": batch, "context": ctx, "num_splits": splits, "block_k": bk, "two_wave_splits": old,
                           "rule_splits": decode_gpu.default_splits(batch, kv, ctx, 128), "timing": "20 calls in one jit"}
                 record(OUT, "paged_decode_splits", config,
                        "time", t * 1e6, "us", "two-wave rule, block_k 128", base * 1e6, higher_is_better=False)
-            table.append(f"decode b={batch} ctx={ctx}: two-wave rule {default} splits {base * 1e6:6.1f} us "
+            table.append(f"decode b={batch} ctx={ctx}: two-wave rule {old} splits {base * 1e6:6.1f} us "
                          f"({nbytes / base / copy_bw:5.1%} of copy); best {best[0]} splits bk {best[1]} "
                          f"{times[best] * 1e6:6.1f} us ({nbytes / times[best] / copy_bw:5.1%})")
             print(table[-1], flush=True)
@@ -128,7 +126,7 @@ def prefill_profile(weights, length: int, table: list[str]) -> None:
     inp["slots"][0] = 0
     inp = {k: jnp.asarray(v) for k, v in inp.items()}
     start = time.perf_counter()
-    step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
+    step = compile_step(cfg, weights, state, inp)
     print(f"  prefill {length}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
     times = []
     for _ in range(7):
@@ -137,11 +135,7 @@ def prefill_profile(weights, length: int, table: list[str]) -> None:
         jax.block_until_ready(packed)
         times.append(time.perf_counter() - t0)
     wall = float(np.median(times[2:]))
-    d = tempfile.mkdtemp()
-    with jax.profiler.trace(d):
-        packed, _, state = step(weights, state, inp)
-        jax.block_until_ready(packed)
-    intervals, time_by, count_by = device_intervals(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+    intervals, time_by, count_by = device_profile(lambda: jax.block_until_ready(step(weights, state, inp)[0]))
     busy, _ = busy_ns(intervals)
     floor = prefill_flops(cfg, length) / matmul_rate(jnp.bfloat16)
     record(OUT, "prefill_step_vs_floor", {"prompt_len": length, "busy_s": busy / 1e9,
