@@ -76,7 +76,7 @@ def test_gguf_quantized_types_dequantize_as_gguf_does(tmp_path, qtype):
     w = hf.model.layers[0].mlp.gate_proj.weight.detach().numpy()
     qt = gguf.GGMLQuantizationType[qtype]
     expected = gguf.quants.dequantize(gguf.quants.quantize(w, qt), qt)
-    np.testing.assert_array_equal(np.asarray(model.weights.layers[0].w_gate), expected)
+    np.testing.assert_array_equal(np.asarray(model.weights.layers[0].w_gate_up[:, 0]), expected)
     assert np.abs(expected - w).max() > 0 or qtype == "F16"
 
 
@@ -102,7 +102,7 @@ def test_gguf_k_quants_load(tmp_path, qtype):
     _rewrite_with_tensor(path, writer_path, "blk.0.ffn_up.weight", raw, qt, (256, 256))
     model = load_model(writer_path)
     expected = gguf.quants.dequantize(raw, qt).reshape(256, 256)
-    np.testing.assert_array_equal(np.asarray(model.weights.layers[0].w_up), expected)
+    np.testing.assert_array_equal(np.asarray(model.weights.layers[0].w_gate_up[:, 1]), expected)
 
 
 def _rewrite_with_tensor(src: str, dst: str, name: str, raw: np.ndarray, qt, shape) -> None:
@@ -163,10 +163,10 @@ def test_random_models_have_real_shapes_and_a_tokenizer_for_every_id():
     eight_b = PRESETS["llama3-8b"]
     assert (eight_b.num_layers, eight_b.hidden_size, eight_b.intermediate_size, eight_b.vocab_size) == (32, 4096, 14336, 128256)
     model = load_model("random:smoke", dtype=jnp.bfloat16)
-    assert model.weights.layers[0].wq.shape == (4, 64, 256) and model.weights.embed.dtype == jnp.bfloat16
+    assert model.weights.layers[0].wqkv.shape == (2, 4, 64, 256) and model.weights.embed.dtype == jnp.bfloat16
     assert model.tokenizer.vocab_size == 512 and model.tokenizer.eos_token_ids == (511,)
     assert model.tokenizer.decode([3, 511]) == "<3> <511>" and model.tokenizer.encode("<3> <511>") == [3, 511]
     quantized = load_model("random:smoke", dtype=jnp.bfloat16, quantize=QuantConfig(mode="int8"))
-    assert isinstance(quantized.weights.layers[0].w_up, QuantizedArray)
+    assert isinstance(quantized.weights.layers[0].w_gate_up, QuantizedArray)
     with pytest.raises(CheckpointError, match="unknown random model 'llama9'; presets: llama3-1b, llama3-8b, smoke"):
         load_model("random:llama9")

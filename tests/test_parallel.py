@@ -36,8 +36,8 @@ def test_rules_shard_heads_ffn_vocab_over_model_and_reject_collisions():
     assert dict(mesh.shape) == {"data": 1, "seq": 4, "model": 3}
     shardings = sharding.weight_shardings(random_weights(TINY, jax.random.key(0)), TINY, mesh)
     layer = shardings.layers[0]
-    assert layer.wq.spec == P("model", None, None) and layer.wo.spec == P(None, "model", None)
-    assert layer.w_gate.spec == P("model", None) and layer.w_down.spec == P(None, "model")
+    assert layer.wqkv.spec == P("model", None, None, None) and layer.wo.spec == P(None, "model", None)
+    assert layer.w_gate_up.spec == P("model", None, None) and layer.w_down.spec == P(None, "model")
     assert shardings.embed.spec == P("model", None) and layer.attn_norm.spec == P(None)
     assert sharding.logical_spec(sharding.CACHE_AXES, (3, 16, 4, 8), mesh) == P("model", "seq", None, None)
     assert sharding.logical_spec(("ffn",), (97,), mesh) == P(None)  # 3 does not divide 97: kept whole
@@ -53,11 +53,12 @@ def test_quantized_weights_shard_values_like_the_float_weight_and_scales_on_its_
     mesh = make_mesh(ParallelConfig(tp=3))
     weights = quantize_weights(random_weights(TINY, jax.random.key(0)), QuantConfig(mode="int8"))
     layer = sharding.weight_shardings(weights, TINY, mesh).layers[0]
-    assert layer.wq.values.spec == P("model", None, None) and layer.wq.scales.spec == P(None, "model", None)
+    assert layer.wqkv.values.spec == P("model", None, None, None)
+    assert layer.wqkv.scales.spec == P(None, "model", None, None)
     assert layer.wo.values.spec == P(None, "model", None) and layer.wo.scales.spec == P(None, None)
     assert layer.w_down.values.spec == P(None, "model") and layer.w_down.scales.spec == P(None, None)
     placed = sharding.shard_weights(weights, TINY, mesh)
-    assert placed.layers[0].wq.values.sharding.shard_shape((9, 8, 72)) == (3, 8, 72)
+    assert placed.layers[0].wqkv.values.sharding.shard_shape((3, 5, 8, 72)) == (1, 5, 8, 72)
 
 
 @needs_12
@@ -76,9 +77,15 @@ def test_mesh_and_head_errors_name_the_values():
 def test_kv_heads_are_repeated_when_tp_exceeds_them():
     weights = random_weights(TINY, jax.random.key(0))
     repeated, cfg = sharding.replicate_kv_heads(weights, TINY, 9)
-    assert cfg.num_kv_heads == 9 and repeated.layers[0].wk.shape == (9, 8, 72)
-    # query head i reads kv head i // 1 now, which is the old kv head i // 3
-    np.testing.assert_array_equal(repeated.layers[0].wk[4], weights.layers[0].wk[1])
+    before, after = weights.layers[0].wqkv, repeated.layers[0].wqkv  # [3, 3 + 2, 8, 72] -> [9, 1 + 2, 8, 72]
+    assert cfg.num_kv_heads == 9 and after.shape == (9, 3, 8, 72)
+    # query head 4 (the old KV head 1's second) is now the only query head of KV head 4, a copy of the old head 1
+    np.testing.assert_array_equal(after[4, 0], before[1, 1])
+    np.testing.assert_array_equal(after[4, 1:], before[1, 3:])
+    quantized = quantize_weights(weights, QuantConfig(mode="int8"))
+    repeated_q = sharding.replicate_kv_heads(quantized, TINY, 9)[0].layers[0].wqkv
+    assert repeated_q.values.shape == (9, 3, 8, 72) and repeated_q.scales.shape == (1, 9, 3, 8)
+    np.testing.assert_array_equal(repeated_q.scales[0, 4, 1:], quantized.layers[0].wqkv.scales[0, 1, 3:])
     assert sharding.kv_heads_for(4, 6) == 12 and sharding.kv_heads_for(8, 4) == 8
 
 

@@ -41,7 +41,7 @@ def tiny_path(tmp_path_factory):
 
 @pytest.mark.parametrize("group_size", [0, 32])
 def test_dequantized_weight_is_within_half_a_step(group_size):
-    w = RNG.standard_normal((6, 16, 128)).astype(np.float32)  # [heads, head_dim, in], like wq
+    w = RNG.standard_normal((6, 16, 128)).astype(np.float32)  # [heads, head_dim, in], like wo transposed
     w[0, 0, :] = 0.0  # an all-zero channel
     w[1, 1, 5] = 40.0  # an outlier: its channel's (or group's) step grows
     q = quantize(jnp.asarray(w), group_size=group_size)
@@ -125,15 +125,16 @@ def test_abstract_tree_describes_the_quantized_weights(tiny_path):
     spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=is_spec)
     leaves = jax.tree_util.tree_leaves(model.weights)
     assert [s.shape for s in spec_leaves] == [tuple(x.shape) for x in leaves]
-    wq = specs.layers[0].wq
-    assert wq.values.axes == ("q_heads", "head_dim", "embed") and wq.scales.axes == ("quant_groups", "q_heads", "head_dim")
+    wqkv = specs.layers[0].wqkv
+    assert wqkv.values.axes == ("kv_heads", "qkv", "head_dim", "embed")
+    assert wqkv.scales.axes == ("quant_groups", "kv_heads", "qkv", "head_dim")
     assert isinstance(model.weights.layers[0].w_down, QuantizedArray) and model.weights.layers[0].w_down.group_size == 32
 
 
 def test_int8_tiny_model_generates_and_saves_a_standalone_orbax_checkpoint(tiny_path, tmp_path):
     float_model = load_model(tiny_path)
     model = load_model(tiny_path, quantize=QuantConfig())
-    assert isinstance(model.weights.layers[0].wq, QuantizedArray) and model.quantization == QuantConfig()
+    assert isinstance(model.weights.layers[0].wqkv, QuantizedArray) and model.quantization == QuantConfig()
     assert isinstance(model.weights.lm_head, QuantizedArray), "the head is quantized by default"
     assert linear_bytes(model.weights) < 0.26 * linear_bytes(float_model.weights) + 4096  # int8 vs float32
     ids = [5, 17, 200, 31, 99, 4, 250, 1]
@@ -155,7 +156,7 @@ def test_int8_tiny_model_generates_and_saves_a_standalone_orbax_checkpoint(tiny_
 def test_float_head_keeps_the_output_head_float(tiny_path):
     model = load_model(tiny_path, quantize=QuantConfig(head=False))
     assert not isinstance(model.weights.lm_head, QuantizedArray) and not isinstance(model.weights.embed, QuantizedArray)
-    assert isinstance(model.weights.layers[1].w_up, QuantizedArray)
+    assert isinstance(model.weights.layers[1].w_gate_up, QuantizedArray)
 
 
 def test_bad_quantization_options_say_what_is_wrong(tiny_path):

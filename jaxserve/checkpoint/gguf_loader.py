@@ -75,7 +75,8 @@ def read_gguf(path: str, dtype: Any = np.float32) -> tuple[ModelConfig, Weights,
 
     def layer(i: int) -> Layer:
         p = f"blk.{i}."
-        return Layer(
+        return Layer.from_projections(
+            config,
             attn_norm=get(p + "attn_norm.weight"),
             wq=get(p + "attn_q.weight", qk(h)),
             wk=get(p + "attn_k.weight", qk(kv)),

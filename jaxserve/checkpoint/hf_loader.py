@@ -55,7 +55,8 @@ def read_hf_dir(directory: str, dtype: Any = np.float32) -> tuple[ModelConfig, W
     def layer(i: int) -> Layer:
         p = f"model.layers.{i}."
         bias = config.attention_bias
-        return Layer(
+        return Layer.from_projections(
+            config,
             attn_norm=cast(get(p + "input_layernorm.weight")),
             wq=cast(get(p + "self_attn.q_proj.weight").reshape(h, hd, d)),
             wk=cast(get(p + "self_attn.k_proj.weight").reshape(kv, hd, d)),

@@ -1,6 +1,6 @@
 """int8 weight-only quantization: the `QuantizedArray` type and the model's matmul dispatch points.
 
-A float weight is stored output-major, `[*out, *in]` (wq is [q_heads, head_dim, embed]), and so is
+A float weight is stored output-major, `[*out, *in]` (wqkv is [kv_heads, q_per_kv + 2, head_dim, embed]), and so is
 its quantized form: `values` int8 `[*out, *in]` and `scales` float32 `[groups, *out]`, with
 `w[o, i] ≈ values[o, i] * scales[i // group_size, o]` (one group spanning the whole input,
 `group_size == 0`, is per-output-channel). Output-major puts each output channel's row of int8
@@ -118,7 +118,7 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedArray)
 
 
-_LINEAR = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}  # name -> input axes
+_LINEAR = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # name -> input axes
 
 
 def quantize_weights(weights: Any, qcfg: QuantConfig, dtype: Any = None) -> Any:

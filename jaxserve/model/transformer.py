@@ -19,7 +19,7 @@ from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import AttentionFn, update_and_attend
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.quant import embed_lookup, linear
-from jaxserve.model.weights import Layer, Weights
+from jaxserve.model.weights import Layer, Weights, split_qkv
 
 
 class ForwardOutput(NamedTuple):
@@ -71,15 +71,17 @@ def _layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
         h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        q, k, v = linear(h, w.wq), linear(h, w.wk), linear(h, w.wv)
-        if w.bq is not None:
-            q, k, v = q + w.bq, k + w.bk, v + w.bv
+        qkv = linear(h, w.wqkv)  # [b, t, kv_heads, q_per_kv + 2, head_dim]
+        if w.bqkv is not None:
+            qkv = qkv + w.bqkv
+        q, k, v = split_qkv(cfg, qkv)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
         x = x + linear(attn, w.wo, in_ndim=2)
     with jax.named_scope("mlp"):
         h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        x = x + linear(jax.nn.silu(linear(h, w.w_gate)) * linear(h, w.w_up), w.w_down)
+        gate_up = linear(h, w.w_gate_up)  # [b, t, ffn, 2]
+        x = x + linear(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], w.w_down)
     return x, k_pages, v_pages
 
 

@@ -42,40 +42,65 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 @pytree_dataclass
 @dataclass(frozen=True)
 class Layer:
-    """One decoder block. Projections are stored [out, in] (the Hugging Face layout) and keep heads as
-    axes: wq is [q_heads, head_dim, embed], wo is [embed, q_heads, head_dim]."""
+    """One decoder block. Projections are stored [out, in] (the Hugging Face layout) and keep heads as axes.
+
+    The projections that read the same input are one weight each, so a step runs one product
+    where it would run several (and XLA never joins them anew on every step):
+    - `wqkv` [kv_heads, q_per_kv + 2, head_dim, embed]: for each KV head, the query heads that read
+      it (query head i is row i % q_per_kv of KV head i // q_per_kv, the Hugging Face numbering),
+      then its key, then its value. Grouping by KV head keeps a KV head's query, key and value rows
+      on the same device when "kv_heads" is sharded.
+    - `w_gate_up` [ffn, 2, embed]: gate and up rows interleaved, so sharding "ffn" keeps each
+      channel's pair together.
+    `wo` is [embed, q_heads, head_dim]; `bqkv` [kv_heads, q_per_kv + 2, head_dim] or None.
+    """
 
     attn_norm: Any
-    wq: Any
-    wk: Any
-    wv: Any
-    wo: Any  # [embed, q_heads, head_dim]
-    bq: Any  # [q_heads, head_dim] or None
-    bk: Any
-    bv: Any
+    wqkv: Any
+    wo: Any
+    bqkv: Any
     mlp_norm: Any
-    w_gate: Any  # [ffn, embed]
-    w_up: Any
+    w_gate_up: Any
     w_down: Any  # [embed, ffn]
 
     @staticmethod
     def abstract(cfg: ModelConfig) -> Layer:
-        d, h, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-        bias = cfg.attention_bias
+        d, kv, hd, f = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        group = cfg.num_heads // kv + 2
         return Layer(
             attn_norm=ArraySpec((d,), ("embed",), "ones"),
-            wq=ArraySpec((h, hd, d), ("q_heads", "head_dim", "embed")),
-            wk=ArraySpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
-            wv=ArraySpec((kv, hd, d), ("kv_heads", "head_dim", "embed")),
-            wo=ArraySpec((d, h, hd), ("embed", "q_heads", "head_dim")),
-            bq=ArraySpec((h, hd), ("q_heads", "head_dim")) if bias else None,
-            bk=ArraySpec((kv, hd), ("kv_heads", "head_dim")) if bias else None,
-            bv=ArraySpec((kv, hd), ("kv_heads", "head_dim")) if bias else None,
+            wqkv=ArraySpec((kv, group, hd, d), ("kv_heads", "qkv", "head_dim", "embed")),
+            wo=ArraySpec((d, cfg.num_heads, hd), ("embed", "q_heads", "head_dim")),
+            bqkv=ArraySpec((kv, group, hd), ("kv_heads", "qkv", "head_dim")) if cfg.attention_bias else None,
             mlp_norm=ArraySpec((d,), ("embed",), "ones"),
-            w_gate=ArraySpec((f, d), ("ffn", "embed")),
-            w_up=ArraySpec((f, d), ("ffn", "embed")),
+            w_gate_up=ArraySpec((f, 2, d), ("ffn", "gate_up", "embed")),
             w_down=ArraySpec((d, f), ("embed", "ffn")),
         )
+
+    @staticmethod
+    def from_projections(cfg: ModelConfig, *, attn_norm: Any, wq: Any, wk: Any, wv: Any, wo: Any, mlp_norm: Any,
+                         w_gate: Any, w_up: Any, w_down: Any, bq: Any = None, bk: Any = None,
+                         bv: Any = None) -> Layer:
+        """A block from separate projections as checkpoints hold them (numpy): wq [q_heads, head_dim, embed],
+        wk and wv [kv_heads, head_dim, embed], w_gate and w_up [ffn, embed], biases without the embed axis."""
+        return Layer(attn_norm=attn_norm, wqkv=fuse_qkv(cfg, wq, wk, wv), wo=wo,
+                     bqkv=None if bq is None else fuse_qkv(cfg, bq, bk, bv), mlp_norm=mlp_norm,
+                     w_gate_up=np.stack([w_gate, w_up], axis=1), w_down=w_down)
+
+
+def fuse_qkv(cfg: ModelConfig, q: Any, k: Any, v: Any) -> np.ndarray:
+    """Query [q_heads, ...], key and value [kv_heads, ...] -> [kv_heads, q_per_kv + 2, ...] (see Layer)."""
+    kv = cfg.num_kv_heads
+    q = np.asarray(q).reshape(kv, cfg.num_heads // kv, *q.shape[1:])
+    return np.concatenate([q, np.asarray(k)[:, None], np.asarray(v)[:, None]], axis=1)
+
+
+def split_qkv(cfg: ModelConfig, qkv: Any) -> tuple[Any, Any, Any]:
+    """The inverse of fuse_qkv along axis -2 of activations [..., kv_heads, q_per_kv + 2, head_dim]:
+    query [..., q_heads, head_dim], key and value [..., kv_heads, head_dim]."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    q = qkv[..., :group, :].reshape(*qkv.shape[:-3], cfg.num_heads, qkv.shape[-1])
+    return q, qkv[..., group, :], qkv[..., group + 1, :]
 
 
 @pytree_dataclass

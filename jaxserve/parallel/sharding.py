@@ -29,7 +29,9 @@ RULES: Rules = (
     ("q_heads", "model"),
     ("kv_heads", "model"),
     ("head_dim", None),
+    ("qkv", None),  # within a KV head's group of wqkv: its query heads, key and value
     ("ffn", "model"),
+    ("gate_up", None),
     ("pages", "seq"),  # the KV cache: each device of `seq` holds one block of the page pool
     ("page_size", None),
     ("batch", None),
@@ -102,24 +104,33 @@ def kv_heads_for(num_kv_heads: int, tp: int) -> int:
 
 
 def replicate_kv_heads(weights: Weights, cfg: ModelConfig, tp: int) -> tuple[Weights, ModelConfig]:
-    """Repeats each KV head r = kv_heads_for(kv, tp) / kv times in wk, wv (and their biases): query head i
-    keeps reading the same head, now numbered i // (heads / (kv * r))). Returns weights and config as is
-    when r is 1. In each array of a KV weight leaf, the first axis of the KV heads' size is repeated
-    (wk/wv are [kv_heads, head_dim, embed], their biases [kv_heads, head_dim])."""
+    """Repeats each KV head r = kv_heads_for(kv, tp) / kv times in wqkv (and its bias): each copy takes
+    a consecutive 1/r of the head's query heads, so query head i keeps reading the same key and value,
+    now those of head i // (heads / (kv * r)). Returns weights and config as is when r is 1."""
     kv = cfg.num_kv_heads
     r = kv_heads_for(kv, tp) // kv
     if r == 1:
         return weights, cfg
+    group = cfg.num_heads // kv
 
-    def repeat(x: Any) -> Any:
-        if x.ndim < 2 or kv not in x.shape:
-            return x
-        axis = list(x.shape).index(kv)
-        return np.repeat(x, r, axis=axis) if isinstance(x, np.ndarray) else jnp.repeat(x, r, axis=axis)
+    def regroup(x: Any, axis: int) -> Any:
+        # [..., kv, group + 2, ...] (kv at `axis`) -> [..., kv * r, group / r + 2, ...]
+        xp = np if isinstance(x, np.ndarray) else jnp
+        shape = x.shape
+        q = x[(slice(None),) * (axis + 1) + (slice(0, group),)]
+        q = q.reshape(*shape[:axis], kv * r, group // r, *shape[axis + 2:])
+        kv_rows = xp.repeat(x[(slice(None),) * (axis + 1) + (slice(group, group + 2),)], r, axis=axis)
+        return xp.concatenate([q, kv_rows], axis=axis + 1)
+
+    def fused(w: Any) -> Any:
+        if w is None:
+            return None
+        if isinstance(w, QuantizedArray):  # values [kv, g + 2, hd, embed], scales [groups, kv, g + 2, hd]
+            return dataclasses.replace(w, values=regroup(w.values, 0), scales=regroup(w.scales, 1))
+        return regroup(w, 0)
 
     def layer(w: Any) -> Any:
-        return dataclasses.replace(w, **{name: jax.tree_util.tree_map(repeat, getattr(w, name))
-                                         for name in ("wk", "wv", "bk", "bv")})
+        return dataclasses.replace(w, wqkv=fused(w.wqkv), bqkv=fused(w.bqkv))
 
     return (dataclasses.replace(weights, layers=tuple(layer(w) for w in weights.layers)),
             dataclasses.replace(cfg, num_kv_heads=kv * r))
