@@ -4,10 +4,11 @@
    `default_splits` among them) against the rule it replaced (`two_waves`), each a time in microseconds.
 2. The 8B decode step at batch 1 (jaxserve's step function) with the kernel's split rule and with the
    rule it replaced (`two_waves`), both compiled in this process and timed alternately.
-3. A profile of the 8B prefill step of one --prefill-len prompt: wall time and the kernels that take it,
+3. (gemm) The 8B decode step at batch 1 with XLA's Triton GEMM fusions and with cuBLAS products, alternated.
+4. A profile of the 8B prefill step of one --prefill-len prompt: wall time and the kernels that take it,
    beside its matrix-product floor at the bf16 rate measured here.
 
-    PYTHONPATH=. python3 benchmarks/small_batch_gpu.py [--parts splits,step,prefill]
+    PYTHONPATH=. python3 benchmarks/small_batch_gpu.py [--parts splits,step,gemm,prefill]
 """
 
 from __future__ import annotations
@@ -24,17 +25,18 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record, repeated, timed  # noqa: E402
 from benchmarks.decode_profile_gpu import busy_ns, device_profile, step_bytes  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_step, run_steps  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_inputs, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from benchmarks.serving_gpu import matmul_rate, prefill_flops  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.weights import random_weights  # noqa: E402
-from jaxserve.step import DeviceState  # noqa: E402
+from jaxserve.step import DeviceState, step_fn  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E402
 
 OUT = "benchmarks/results/small_batch_gpu.jsonl"
+GEMM_VARIANTS = os.environ.get("GEMM_VARIANTS", "default,cublas").split(",")
 
 
 def splits_sweep(copy_bw: float, table: list[str]) -> None:
@@ -113,6 +115,52 @@ def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
         print(table[-1], flush=True)
 
 
+def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
+    """Batch-1 decode step compiled with XLA's defaults (Triton GEMM fusions) and with other compiler options
+    (env GEMM_VARIANTS picks among them): cuBLAS for every product, every fusion through Triton's block-level
+    emitter, or Triton's heroless priority fusion; timed alternately in this process, each profiled."""
+    variants = {"default": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
+                "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
+                "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}}
+    variants = {k: v for k, v in variants.items() if k in GEMM_VARIANTS}
+    pages = -(-(context + 1) // PAGE_SIZE)
+    built = {}
+    for name, options in variants.items():
+        state = DeviceState(KVCache.zeros(LLAMA_8B, pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(1, jnp.int32))
+        inp = {k: jnp.asarray(v) for k, v in decode_inputs(1, context, pages, LLAMA_8B.vocab_size).items()}
+        start = time.perf_counter()
+        try:
+            step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=LLAMA_8B), donate_argnums=(1,)).lower(
+                weights, state, inp).compile(compiler_options=options)
+        except Exception as e:  # an option this XLA does not know, or cannot compile with
+            print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        print(f"  {name}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
+        _, state = run_steps(step, weights, state, inp, 2)
+        built[name] = (step, state, inp)
+    times = {name: [] for name in built}
+    for _ in range(5):
+        for name, (step, state, inp) in built.items():
+            seconds, state = run_steps(step, weights, state, inp, 20)
+            built[name] = (step, state, inp)
+            times[name].append(seconds)
+    floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
+    base = float(np.median(times["default"]))
+    for name, ts in times.items():
+        step, state, inp = built[name]
+        intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, 20))
+        busy, _ = busy_ns(intervals)
+        t = float(np.median(ts))
+        top = [(n, v / 20e3, count_by[n] / 20) for n, v in time_by.most_common(4)]
+        record(OUT, "decode_step_gemm_ab", {"batch": 1, "context": context, "gemms": name, "runs_s": ts,
+                                            "busy_s": busy / 20e9, "top": top, "floor_s": floor},
+               "seconds_per_step", t, "s", "triton gemm fusions (XLA default)", base, higher_is_better=False)
+        table.append(f"step b=1 ctx={context} {name:8s} {t * 1e3:7.3f} ms = {floor / t:5.1%} of floor "
+                     f"({base / t:5.3f}x default), busy {busy / 20e6:.3f} ms; top: "
+                     + "; ".join(f"{n} {v:.0f} us x{c:.0f}" for n, v, c in top[:3]))
+        print(table[-1], flush=True)
+
+
 def prefill_profile(weights, length: int, table: list[str]) -> None:
     cfg = LLAMA_8B
     pages = -(-(length + 1) // PAGE_SIZE)
@@ -160,9 +208,11 @@ def main() -> None:
     table: list[str] = []
     if "splits" in parts:
         splits_sweep(copy_bw, table)
-    weights = random_weights(LLAMA_8B, jax.random.PRNGKey(0), jnp.bfloat16) if parts & {"step", "prefill"} else None
+    weights = random_weights(LLAMA_8B, jax.random.PRNGKey(0), jnp.bfloat16) if parts & {"step", "gemm", "prefill"} else None
     if "step" in parts:
         step_ab(weights, copy_bw, args.context, table)
+    if "gemm" in parts:
+        gemm_ab(weights, copy_bw, args.context, table)
     if "prefill" in parts:
         prefill_profile(weights, args.prefill_len, table)
     print("\n".join(table))
