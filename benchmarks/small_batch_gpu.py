@@ -118,10 +118,11 @@ def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
 def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
     """Batch-1 decode step compiled with XLA's defaults (Triton GEMM fusions) and with other compiler options
     (env GEMM_VARIANTS picks among them): cuBLAS for every product, every fusion through Triton's block-level
-    emitter, or Triton's heroless priority fusion; timed alternately in this process, each profiled."""
+    emitter, Triton's heroless priority fusion, or no split-K products; timed alternately in this process, each profiled."""
     variants = {"default": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
                 "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
-                "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True}}
+                "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
+                "no_split_k": {"xla_gpu_enable_split_k_autotuning": False}}
     variants = {k: v for k, v in variants.items() if k in GEMM_VARIANTS}
     pages = -(-(context + 1) // PAGE_SIZE)
     built = {}

@@ -9,7 +9,7 @@ latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,19 @@ class ForwardOutput(NamedTuple):
     hidden_states: tuple[jax.Array, ...]  # inputs of each layer, when asked for; else ()
 
 
-def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, scaled by `gain` in the input's dtype."""
+def normed_linear(x: jax.Array, gain: jax.Array, w: Any, eps: float, *, preferred_element_type: Any = None) -> jax.Array:
+    """RMSNorm(x) · gain, times the weight w [*out, embed] (see `linear`).
+
+    The norm's 1/rms is one number per row, so it is applied to the product's output instead of its
+    input: the product reads x · gain, which needs no reduction first. XLA then fuses x · gain with
+    whatever made x (the residual add), and the reduction runs beside the product instead of
+    between two elementwise kernels; 1/rms fuses into the output's consumer. The same sum, reordered.
+    """
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return gain * normed.astype(x.dtype)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [..., 1] float32
+    y = linear(gain * x, w, preferred_element_type=preferred_element_type)
+    inv_rms = inv_rms.reshape(inv_rms.shape + (1,) * (y.ndim - x.ndim))
+    return (y * inv_rms).astype(y.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -70,8 +78,7 @@ def _layer(
     attention: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     with jax.named_scope("attention"):
-        h = rms_norm(x, w.attn_norm, cfg.rms_norm_eps)
-        qkv = linear(h, w.wqkv)  # [b, t, kv_heads, q_per_kv + 2, head_dim]
+        qkv = normed_linear(x, w.attn_norm, w.wqkv, cfg.rms_norm_eps)  # [b, t, kv_heads, q_per_kv + 2, head_dim]
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
         q, k, v = split_qkv(cfg, qkv)
@@ -79,8 +86,7 @@ def _layer(
         attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
         x = x + linear(attn, w.wo, in_ndim=2)
     with jax.named_scope("mlp"):
-        h = rms_norm(x, w.mlp_norm, cfg.rms_norm_eps)
-        gate_up = linear(h, w.w_gate_up)  # [b, t, ffn, 2]
+        gate_up = normed_linear(x, w.mlp_norm, w.w_gate_up, cfg.rms_norm_eps)  # [b, t, ffn, 2]
         x = x + linear(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], w.w_down)
     return x, k_pages, v_pages
 
@@ -123,7 +129,6 @@ def forward(
         vs.append(v_i)
     if logit_indices is not None:
         x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
-    x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     head = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = linear(x, head, preferred_element_type=jnp.float32)
+    logits = normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
     return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs)), tuple(hidden))

@@ -23,11 +23,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.paged_attention.reference import combine_splits
 from pallas_kernels.flash_attention.mosaic_gpu import (
     ROWS,
     mma_accumulate,
@@ -305,11 +307,13 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         out = out if n_rows == b * h else out[:b * h]
         return out.reshape(b, h, hd).astype(q.dtype)
     o_part, lse_part = out
-    starts = (jnp.arange(b)[:, None] * kv + jnp.arange(kv)[None, :]) * group
-    offsets = starts - first_row(starts, n_rows, rows)  # where each program's group sits in its 64 rows
-    lse = jnp.take_along_axis(lse_part, (offsets[:, :, None] + jnp.arange(group))[:, :, None, :], axis=3)
-    top = jnp.max(lse, axis=2, keepdims=True)
-    w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(w, axis=2)
-    o = jnp.sum(w[..., None] * o_part, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+    starts = (np.arange(b)[:, None] * kv + np.arange(kv)[None, :]) * group
+    offsets = starts - np.asarray(first_row(starts, n_rows, rows))  # where each group sits in its 64 rows
+    # The offsets are known here, and few differ (a group starts at most 8 rows into its tile): a select
+    # among static slices fuses into the combine, where a gather by the offsets was a kernel of its own.
+    lse = None
+    for off in np.unique(offsets):
+        piece = lse_part[..., off:off + group]
+        lse = piece if lse is None else jnp.where(jnp.asarray(offsets == off)[:, :, None, None], piece, lse)
+    o = combine_splits(o_part, lse, base2=True)
     return o.reshape(b, h, hd).astype(q.dtype)

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.paged_attention.reference import combine_splits
 from pallas_kernels.flash_attention.mosaic_tpu import attend_blocks, check_pages, default_block_k, page_copies, sublanes
 
 CORES = 2  # TensorCores sharing a chip's parallel grid dimensions (megacore); sets only the default split
@@ -116,8 +117,4 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     o_part, lse = o_part[:, :, :, :group], lse_part[:, :, :, :group]  # [b, kv, splits, group, hd | 1]
     if splits == 1:
         return o_part[:, :, 0].reshape(b, h, hd).astype(q.dtype)
-    top = jnp.max(lse, axis=2, keepdims=True)
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(w, axis=2)
-    o = jnp.sum(w * o_part, axis=2) / jnp.where(total == 0, 1.0, total)
-    return o.reshape(b, h, hd).astype(q.dtype)
+    return combine_splits(o_part, lse[..., 0]).reshape(b, h, hd).astype(q.dtype)

@@ -14,6 +14,7 @@ transposing loop and the products many tiny ones: a 32-row decode step of the em
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -77,3 +78,21 @@ def paged_attention_reference(
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v.dtype)
         out.append(jnp.einsum("bqs,bsd->bqd", probs, v).reshape(b, t, groups, hd))
     return jnp.stack(out, axis=2).reshape(b, t, h, hd)
+
+
+def combine_splits(o_part: jax.Array, lse: jax.Array, *, base2: bool = False) -> jax.Array:
+    """The attention over a whole sequence from its splits' partials: o_part [b, kv, splits, group, hd] (each
+    normalised over its split) and their log-sum-exps lse [b, kv, splits, group] (natural, or base 2)
+    -> [b, kv, group, hd] float32. A split that saw no token has lse -inf and weight 0.
+
+    Written out over the few splits rather than reduced along their axis: elementwise ops on slices are
+    one XLA fusion, where a reduction over the splits is a kernel of its own, and so is each step after it
+    (at batch 1 this is two kernels fewer per layer)."""
+    exp = jnp.exp2 if base2 else jnp.exp
+    lse_s = [lse[:, :, i] for i in range(lse.shape[2])]
+    top = functools.reduce(jnp.maximum, lse_s)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = [exp(x - top) for x in lse_s]
+    total = functools.reduce(jnp.add, w)
+    o = functools.reduce(jnp.add, [wi[..., None] * o_part[:, :, i] for i, wi in enumerate(w)])
+    return o / jnp.where(total == 0, 1.0, total)[..., None]
