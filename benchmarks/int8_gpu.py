@@ -79,7 +79,8 @@ def decode_step(cfg: ModelConfig, weights, batch: int, context: int):
     """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
     step_fn compiled like the engine's steps (the state donated), run once."""
     pages = -(-(context + 1) // PAGE_SIZE)
-    state = DeviceState(KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(batch, jnp.int32))
+    cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)  # as the engine's
+    state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
     step = compile_step(cfg, weights, state, inp)
     packed, _, state = step(weights, state, inp)

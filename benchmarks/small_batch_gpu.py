@@ -118,16 +118,19 @@ def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
 def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
     """Batch-1 decode step compiled with XLA's defaults (Triton GEMM fusions) and with other compiler options
     (env GEMM_VARIANTS picks among them): cuBLAS for every product, every fusion through Triton's block-level
-    emitter, Triton's heroless priority fusion, or no split-K products; timed alternately in this process, each profiled."""
+    emitter, Triton's heroless priority fusion, no CUDA graphs, or CUDA graphs of any size; timed alternately
+    in this process, each profiled."""
     variants = {"default": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
                 "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
                 "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
-                "no_split_k": {"xla_gpu_enable_split_k_autotuning": False}}
+                "graphs_off": {"xla_gpu_enable_command_buffer": ""},
+                "graphs_min1": {"xla_gpu_graph_min_graph_size": 1}}
     variants = {k: v for k, v in variants.items() if k in GEMM_VARIANTS}
     pages = -(-(context + 1) // PAGE_SIZE)
     built = {}
     for name, options in variants.items():
-        state = DeviceState(KVCache.zeros(LLAMA_8B, pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(1, jnp.int32))
+        cache = KVCache.zeros(LLAMA_8B, pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)
+        state = DeviceState(cache, jnp.zeros(1, jnp.int32))
         inp = {k: jnp.asarray(v) for k, v in decode_inputs(1, context, pages, LLAMA_8B.vocab_size).items()}
         start = time.perf_counter()
         try:
@@ -149,7 +152,8 @@ def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
     base = float(np.median(times["default"]))
     for name, ts in times.items():
         step, state, inp = built[name]
-        intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, 20))
+        intervals, time_by, count_by = device_profile(
+            lambda step=step, state=state, inp=inp: run_steps(step, weights, state, inp, 20))
         busy, _ = busy_ns(intervals)
         t = float(np.median(ts))
         top = [(n, v / 20e3, count_by[n] / 20) for n, v in time_by.most_common(4)]
@@ -165,7 +169,8 @@ def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
 def prefill_profile(weights, length: int, table: list[str]) -> None:
     cfg = LLAMA_8B
     pages = -(-(length + 1) // PAGE_SIZE)
-    state = DeviceState(KVCache.zeros(cfg, pages, PAGE_SIZE, jnp.bfloat16), jnp.zeros(1, jnp.int32))
+    state = DeviceState(KVCache.zeros(cfg, pages, PAGE_SIZE, jnp.bfloat16, padding_page=True),
+                        jnp.zeros(1, jnp.int32))
     inp = vars(StepInput.build([None], length, pages, 1))
     inp["tokens"][0] = np.random.default_rng(0).integers(0, cfg.vocab_size, length)
     inp["positions"][0] = np.arange(length)

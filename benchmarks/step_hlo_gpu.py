@@ -39,7 +39,7 @@ def main() -> None:
     pages = -(-(args.context + 1) // PAGE_SIZE)
     for variant in args.variants.split(","):
         weights = bf16 if variant == "bfloat16" else quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
-        state = DeviceState(KVCache.zeros(cfg, args.batch * pages, PAGE_SIZE, jnp.bfloat16),
+        state = DeviceState(KVCache.zeros(cfg, args.batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True),
                             jnp.zeros(args.batch, jnp.int32))
         inp = decode_inputs(args.batch, args.context, pages, cfg.vocab_size)
         text = compile_step(cfg, weights, state, inp).as_text()

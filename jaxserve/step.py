@@ -153,8 +153,8 @@ class StepRunner:
             self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
                                      jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
         else:
-            self.state = DeviceState(KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype),
-                                     jnp.zeros(cfg.max_slots, jnp.int32))
+            cache = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
+            self.state = DeviceState(cache, jnp.zeros(cfg.max_slots, jnp.int32))
         full = cfg.max_pages_per_slot
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
                               | {(r, c, full) for r, c in cfg.prefill_buckets})

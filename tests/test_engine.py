@@ -191,3 +191,33 @@ def test_no_step_branches_on_a_device_value(small):
     for compiled in runner._compiled.values():
         text = compiled.as_text()
         assert " conditional(" not in text and " while(" not in text
+
+
+def test_padding_tokens_write_only_the_padding_page(small):
+    """The engine's cache has one page past its pool: padding tokens (valid False) write their K/V there and no
+    page of the pool changes. Without that page (a pool split over devices) their writes are dropped."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.model.kv_cache import KVCache
+    from jaxserve.model.transformer import forward
+
+    tokens, positions = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.arange(4)[None]
+    valid = jnp.asarray([[True, True, False, False]])  # pages of 2 tokens: page 0 valid, page 1 padding
+    for padding_page in (True, False):
+        cache = KVCache.zeros(small.config, 3, 2, jnp.float32, padding_page=padding_page)
+        out = forward(small.weights, small.config, tokens, positions, valid, jnp.asarray([[0, 1]]), cache,
+                      attention="reference")
+        for pages in (*out.cache.k, *out.cache.v):
+            pages = np.asarray(pages)
+            assert pages.shape[1] == 3 + padding_page and out.cache.padding_page == padding_page
+            assert np.abs(pages[:, 0]).any(), "the valid tokens' K/V is missing"
+            assert not np.abs(pages[:, 1:3]).any(), "a padding token wrote into the pool"
+            assert np.abs(pages[:, 3:]).any() == padding_page
+    # One token (the in-place update of decode at batch 1) goes to the padding page too when it pads.
+    cache = KVCache.zeros(small.config, 3, 2, jnp.float32, padding_page=True)
+    for ok in (True, False):
+        out = forward(small.weights, small.config, tokens[:, :1], positions[:, :1], jnp.asarray([[ok]]),
+                      jnp.asarray([[1, 0]]), cache, attention="reference")
+        k = np.asarray(out.cache.k[0])
+        assert np.abs(k[:, 1]).any() == ok and np.abs(k[:, 3]).any() != ok and not np.abs(k[:, [0, 2]]).any()

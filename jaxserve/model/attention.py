@@ -24,24 +24,33 @@ AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def write_pages(k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages: jax.Array,
-                offsets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Writes k, v [b, t, kv_heads, hd] at (pages, offsets) [b, t]; a page id past the pool drops the token."""
+                offsets: jax.Array, *, in_bounds: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Writes k, v [b, t, kv_heads, hd] at (pages, offsets) [b, t]; a page id past the pool drops the token,
+    unless `in_bounds` promises there is none (padding tokens then write to the cache's padding page)."""
     pages, offsets = pages.reshape(-1), offsets.reshape(-1)
     flat = (k.shape[0] * k.shape[1], *k.shape[2:])  # [tokens, kv_heads, head_dim]
-    k_pages = k_pages.at[:, pages, offsets].set(jnp.swapaxes(k.reshape(flat), 0, 1).astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[:, pages, offsets].set(jnp.swapaxes(v.reshape(flat), 0, 1).astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
+    k, v = jnp.swapaxes(k.reshape(flat), 0, 1), jnp.swapaxes(v.reshape(flat), 0, 1)  # [kv_heads, tokens, head_dim]
+    if in_bounds and pages.shape[0] == 1:
+        # One token (decode at batch 1): an update in place. XLA makes a one-index scatter that, with a
+        # bounds check and a select that reads the old value, which keeps it from fusing with its producer.
+        at = (0, pages[0], offsets[0], 0)
+        return (jax.lax.dynamic_update_slice(k_pages, k[:, :, None].astype(k_pages.dtype), at),
+                jax.lax.dynamic_update_slice(v_pages, v[:, :, None].astype(v_pages.dtype), at))
+    mode = "promise_in_bounds" if in_bounds else "drop"
+    return (k_pages.at[:, pages, offsets].set(k.astype(k_pages.dtype), mode=mode),
+            v_pages.at[:, pages, offsets].set(v.astype(v_pages.dtype), mode=mode))
 
 
 def update_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, positions: jax.Array,
-                      valid: jax.Array, *, backend: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+                      valid: jax.Array, *, backend: str = "auto",
+                      in_bounds: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes k, v at write_at = (pages, offsets) [b, t], then attends q [b, t, heads, hd] over the pages
     -> (out [b, t, heads, hd], k_pages, v_pages).
 
     One layer's whole use of its cache; a sharded model swaps in another function of the same
-    signature (jaxserve.parallel.attention)."""
-    k_pages, v_pages = write_pages(k, v, k_pages, v_pages, *write_at)
+    signature (jaxserve.parallel.attention). `in_bounds`: see write_pages."""
+    k_pages, v_pages = write_pages(k, v, k_pages, v_pages, *write_at, in_bounds=in_bounds)
     return attend(q, k_pages, v_pages, page_table, positions, valid, backend=backend), k_pages, v_pages
 
 

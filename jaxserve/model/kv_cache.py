@@ -9,20 +9,28 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from jaxserve.model.weights import pytree_dataclass
 
 
-@pytree_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    k: Any  # tuple over layers of [kv_heads, num_pages, page_size, head_dim] (see pallas_kernels.paged_attention)
+    """Per layer, K and V pages [kv_heads, pages, page_size, head_dim] (see pallas_kernels.paged_attention).
+
+    With `padding_page`, the pool's last page belongs to no request: padding tokens (a bucket's empty
+    rows, a chunk's tail) write their K/V there, so every write is in bounds. Without it they are
+    dropped by an out-of-bounds index, which costs a select and an extra kernel per write when XLA
+    turns a one-token scatter into an in-place update (two kernels per layer at batch 1). The engine
+    keeps the page on one device; a pool split over devices (parallel) drops instead."""
+
+    k: Any  # tuple over layers
     v: Any
+    padding_page: bool = False
 
     @staticmethod
-    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> KVCache:
-        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any, *, padding_page: bool = False) -> KVCache:
+        """`num_pages` pages for requests, and with `padding_page` one more past them."""
+        shape = (cfg.num_kv_heads, num_pages + int(padding_page), page_size, cfg.head_dim)
         return KVCache(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                       v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+                       v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)), padding_page=padding_page)
 
     @property
     def num_pages(self) -> int:
@@ -35,3 +43,6 @@ class KVCache:
 
 def cache_bytes(cache: KVCache) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
+
+
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=["padding_page"])

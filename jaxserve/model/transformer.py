@@ -111,11 +111,13 @@ def forward(
     `attention` names the backend of `update_and_attend`, or is a function with its signature (a
     sharded model's, from jaxserve.parallel).
     """
-    attention_fn = partial(update_and_attend, backend=attention) if isinstance(attention, str) else attention
+    attention_fn = (partial(update_and_attend, backend=attention, in_bounds=cache.padding_page)
+                    if isinstance(attention, str) else attention)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     size = cache.page_size
     page_of = jnp.take_along_axis(page_table, positions // size, axis=1)
-    write_at = (jnp.where(valid, page_of, cache.num_pages), positions % size)
+    padding = cache.num_pages - 1 if cache.padding_page else cache.num_pages  # its page, or out of bounds: dropped
+    write_at = (jnp.where(valid, page_of, padding), positions % size)
     x = embed_lookup(weights.embed, tokens, weights.final_norm.dtype)
     hidden = []
     ks, vs = [], []
@@ -131,4 +133,4 @@ def forward(
         x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     logits = normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
-    return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs)), tuple(hidden))
+    return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs), padding_page=cache.padding_page), tuple(hidden))

@@ -29,7 +29,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels.paged_attention.reference import combine_splits
 from pallas_kernels.flash_attention.mosaic_gpu import (
     ROWS,
     mma_accumulate,
@@ -39,6 +38,7 @@ from pallas_kernels.flash_attention.mosaic_gpu import (
     with_layout,
     zero_rows_from,
 )
+from pallas_kernels.paged_attention.reference import combine_splits
 
 _LOG2E = math.log2(math.e)
 _NEG = -1e30
@@ -90,9 +90,10 @@ def query_rows(group: int) -> int:
     return -(-(group + 8 - math.gcd(group, 8)) // 8) * 8
 
 
-def first_row(start, total: int, rows: int):
-    """The 8-aligned first of `rows` loaded rows holding the group that starts at row `start` (of `total`)."""
-    return jnp.minimum(start // 8 * 8, total - rows)
+def first_row(start, total: int, rows: int, xp=jnp):
+    """The 8-aligned first of `rows` loaded rows holding the group that starts at row `start` (of `total`);
+    `xp=np` for offsets known when tracing (under a trace, jnp stages even constant operands)."""
+    return xp.minimum(start // 8 * 8, total - rows)
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
@@ -308,7 +309,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         return out.reshape(b, h, hd).astype(q.dtype)
     o_part, lse_part = out
     starts = (np.arange(b)[:, None] * kv + np.arange(kv)[None, :]) * group
-    offsets = starts - np.asarray(first_row(starts, n_rows, rows))  # where each group sits in its 64 rows
+    offsets = starts - first_row(starts, n_rows, rows, np)  # where each group sits in its 64 rows
     # The offsets are known here, and few differ (a group starts at most 8 rows into its tile): a select
     # among static slices fuses into the combine, where a gather by the offsets was a kernel of its own.
     lse = None

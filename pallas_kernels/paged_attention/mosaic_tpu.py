@@ -22,8 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import backend as backend_lib
-from pallas_kernels.paged_attention.reference import combine_splits
 from pallas_kernels.flash_attention.mosaic_tpu import attend_blocks, check_pages, default_block_k, page_copies, sublanes
+from pallas_kernels.paged_attention.reference import combine_splits
 
 CORES = 2  # TensorCores sharing a chip's parallel grid dimensions (megacore); sets only the default split
 
