@@ -150,49 +150,6 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def kernel_sweep(cfg: ModelConfig, out: str) -> list[dict]:
-    """The kernel's bandwidth on the model's fused decode shapes (m = 1 and 64) for several pipeline depths,
-    tile heights and k splits, each against a device copy timed in the same run."""
-    from benchmarks.kernels_gpu import copy_bandwidth
-
-    copy_bw = copy_bandwidth()
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    shapes = {"wqkv": (qkv, d), "wo": (d, d), "w_gate_up": (2 * f, d), "w_down": (d, f)}
-    key, rows = jax.random.PRNGKey(2), []
-    for name, (n, k) in shapes.items():
-        # Distinct weights, 256 MB or more of them, each read once per timed call: the 50 MB L2 holds none
-        # of them between reads, as in a model step.
-        copies = -(-256_000_000 // (n * k))
-        values = [jax.random.randint(jax.random.fold_in(key, i), (n, k), -127, 128, jnp.int32).astype(jnp.int8)
-                  for i in range(copies)]
-        scales = jax.random.uniform(key, (1, n), jnp.float32, 0.5, 2.0) / 127
-        for m in (1, 64):
-            x = jax.random.normal(key, (m, k), jnp.bfloat16)
-            default = qmm_gpu._resolve(qmm_gpu.BlockSizes(), m, n, k, k).num_splits
-            for block_n in (64, 128) if m == 1 else (128,):
-                for stages in (4, 6, 8):
-                    for splits in sorted({default, 1, 2, 4}) if m == 1 else (default,):
-                        if (k // splits) % 128:
-                            continue
-                        bs = qmm_gpu.BlockSizes(block_n=block_n, stages=stages, num_splits=splits)
-                        fn = jax.jit(lambda x, vs, sc, bs=bs: [qmm_gpu.quantized_matmul(x, v, sc, block_sizes=bs)
-                                                               for v in vs])
-                        try:
-                            t = timed(fn, x, values, scales, inner=3) / copies
-                        except Exception as e:
-                            print(f"{name} m={m} {bs}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                            continue
-                        row = {"layer": name, "n": n, "k": k, "m": m, "block_n": block_n, "stages": stages,
-                               "splits": splits, "default_splits": default}
-                        rows.append(record(out, "int8_matmul_sweep", row, "bandwidth_share_of_copy",
-                                           n * k / t / copy_bw, "1"))
-                        print(f"{name:9s} m={m:3d} block_n={block_n:3d} stages={stages} splits={splits:2d}"
-                              f"{'*' if splits == default else ' '} {t * 1e6:7.1f} us "
-                              f"{n * k / t / 1e12:5.2f} TB/s = {n * k / t / copy_bw:5.1%} of copy", flush=True)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config, few steps: checks the script on CPU")
@@ -203,7 +160,6 @@ def main() -> None:
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
                     help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
-    ap.add_argument("--sweep", action="store_true", help="only the kernel's tiling sweep on the fused decode shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -212,8 +168,6 @@ def main() -> None:
     out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
     print(f"{jax.devices()[0]} jax {jax.__version__}; writing {out}", flush=True)
 
-    if args.sweep:
-        return print_table(kernel_sweep(cfg, out))
     rows = [] if args.skip_kernel else kernel_checks(cfg, out, args.smoke)
 
     batches = [int(b) for b in args.batches.split(",") if b]
