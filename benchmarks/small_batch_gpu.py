@@ -87,6 +87,18 @@ def two_waves(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
                                                                 max_len // (4 * block_k)))
 
 
+def alternate(built: dict, weights, rounds: int = 5, steps: int = 20) -> dict[str, list[float]]:
+    """Seconds per step of each built (step, state, inputs), `steps` back to back, the variants taking turns
+    for `rounds` rounds (so drifts of clock or temperature fall on all of them); `built` keeps the last state."""
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(rounds):
+        for name, (step, state, inp) in built.items():
+            seconds, state = run_steps(step, weights, state, inp, steps)
+            built[name] = (step, state, inp)
+            times[name].append(seconds)
+    return times
+
+
 def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
     """Batch-1 decode step with the kernel's split rule and with the rule it replaced."""
     original = decode_gpu.default_splits
@@ -98,12 +110,7 @@ def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
             built[name] = decode_step(LLAMA_8B, weights, 1, context)
         finally:
             decode_gpu.default_splits = original
-    times = {name: [] for name in built}
-    for _ in range(5):
-        for name, (step, state, inp) in built.items():
-            seconds, state = run_steps(step, weights, state, inp, 20)
-            built[name] = (step, state, inp)
-            times[name].append(seconds)
+    times = alternate(built, weights)
     floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
     base = float(np.median(times["default"]))
     for name, ts in times.items():
@@ -142,12 +149,7 @@ def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
         print(f"  {name}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
         _, state = run_steps(step, weights, state, inp, 2)
         built[name] = (step, state, inp)
-    times = {name: [] for name in built}
-    for _ in range(5):
-        for name, (step, state, inp) in built.items():
-            seconds, state = run_steps(step, weights, state, inp, 20)
-            built[name] = (step, state, inp)
-            times[name].append(seconds)
+    times = alternate(built, weights)
     floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
     base = float(np.median(times["default"]))
     for name, ts in times.items():
