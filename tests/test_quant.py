@@ -66,7 +66,7 @@ def test_groups_confine_an_outlier():
 
 @pytest.mark.parametrize("in_ndim", [1, 2])
 def test_linear_on_quantized_matches_the_dequantized_weight_under_jit(in_ndim):
-    shape = (96, 4, 32) if in_ndim == 2 else (96, 128)  # wo [embed, heads, head_dim] or w_gate [ffn, embed]
+    shape = (96, 4, 32) if in_ndim == 2 else (96, 128)  # wo [embed, heads, head_dim] or w_down [embed, ffn]
     w = jnp.asarray(RNG.standard_normal(shape).astype(np.float32))
     q = quantize(w, in_ndim=in_ndim)
     x = jnp.asarray(RNG.standard_normal((2, 3, *shape[len(shape) - in_ndim:])).astype(np.float32))
@@ -151,6 +151,10 @@ def test_int8_tiny_model_generates_and_saves_a_standalone_orbax_checkpoint(tiny_
     assert greedy(restored, [ids], 6) == greedy(model, [ids], 6)
     with pytest.raises(CheckpointError, match="cannot be requantized"):
         load_model(str(tmp_path / "q"), quantize=QuantConfig(group_size=32))
+    marker = tmp_path / "q" / "jaxserve_model.json"
+    marker.write_text(marker.read_text().replace('"format": 2', '"format": 1'))
+    with pytest.raises(CheckpointError, match="format 1, written by an older jaxserve.*jaxserve quantize --model"):
+        load_model(str(tmp_path / "q"))
 
 
 def test_float_head_keeps_the_output_head_float(tiny_path):

