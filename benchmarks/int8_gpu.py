@@ -70,19 +70,21 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
     return vars(inp)
 
 
-def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict):
-    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated)."""
-    return jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile()
+def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, options: dict | None = None):
+    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated), with XLA's
+    compiler `options` if given."""
+    return jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile(
+        compiler_options=options)
 
 
-def decode_step(cfg: ModelConfig, weights, batch: int, context: int):
+def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None):
     """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
-    step_fn compiled like the engine's steps (the state donated), run once."""
+    step_fn compiled like the engine's steps (the state donated; `options` as in compile_step), run once."""
     pages = -(-(context + 1) // PAGE_SIZE)
     cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)  # as the engine's
     state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
-    step = compile_step(cfg, weights, state, inp)
+    step = compile_step(cfg, weights, state, inp, options)
     packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp

@@ -25,13 +25,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record, repeated, timed  # noqa: E402
 from benchmarks.decode_profile_gpu import busy_ns, device_profile, step_bytes  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_inputs, decode_step, run_steps  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from benchmarks.serving_gpu import matmul_rate, prefill_flops  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.weights import random_weights  # noqa: E402
-from jaxserve.step import DeviceState, step_fn  # noqa: E402
+from jaxserve.step import DeviceState  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E402
 
@@ -133,22 +133,15 @@ def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
                 "graphs_off": {"xla_gpu_enable_command_buffer": ""},
                 "graphs_min1": {"xla_gpu_graph_min_graph_size": 1}}
     variants = {k: v for k, v in variants.items() if k in GEMM_VARIANTS}
-    pages = -(-(context + 1) // PAGE_SIZE)
     built = {}
     for name, options in variants.items():
-        cache = KVCache.zeros(LLAMA_8B, pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)
-        state = DeviceState(cache, jnp.zeros(1, jnp.int32))
-        inp = {k: jnp.asarray(v) for k, v in decode_inputs(1, context, pages, LLAMA_8B.vocab_size).items()}
         start = time.perf_counter()
         try:
-            step = jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=LLAMA_8B), donate_argnums=(1,)).lower(
-                weights, state, inp).compile(compiler_options=options)
+            built[name] = decode_step(LLAMA_8B, weights, 1, context, options)
         except Exception as e:  # an option this XLA does not know, or cannot compile with
             print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         print(f"  {name}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
-        _, state = run_steps(step, weights, state, inp, 2)
-        built[name] = (step, state, inp)
     times = alternate(built, weights)
     floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
     base_name = "default" if "default" in times else next(iter(times))  # the first that compiled, if not default

@@ -17,12 +17,10 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_inputs  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, decode_step  # noqa: E402
 from jaxserve.config import QuantConfig  # noqa: E402
-from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.weights import random_weights  # noqa: E402
-from jaxserve.step import DeviceState  # noqa: E402
 
 
 def main() -> None:
@@ -36,13 +34,9 @@ def main() -> None:
     cfg = dataclasses.replace(LLAMA_8B, num_layers=args.layers)
     os.makedirs(args.out, exist_ok=True)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
-    pages = -(-(args.context + 1) // PAGE_SIZE)
     for variant in args.variants.split(","):
         weights = bf16 if variant == "bfloat16" else quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
-        state = DeviceState(KVCache.zeros(cfg, args.batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True),
-                            jnp.zeros(args.batch, jnp.int32))
-        inp = decode_inputs(args.batch, args.context, pages, cfg.vocab_size)
-        text = compile_step(cfg, weights, state, inp).as_text()
+        text = decode_step(cfg, weights, args.batch, args.context)[0].as_text()
         path = os.path.join(args.out, f"decode_{variant}_b{args.batch}_{args.layers}layers.hlo.txt")
         with open(path, "w") as f:
             f.write(text)
