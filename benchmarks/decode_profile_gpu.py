@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import json
 import os
 import re
 import sys
 import tempfile
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +29,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, SMOKE, decode_step, run_steps  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, SMOKE, decode_inputs, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from jaxserve.config import QuantConfig  # noqa: E402
+from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
+from jaxserve.step import DeviceState, decode_steps_fn  # noqa: E402
 
 
 def step_bytes(cfg, weights, batch: int, context: int) -> int:
@@ -43,12 +47,14 @@ def step_bytes(cfg, weights, batch: int, context: int) -> int:
     return param_bytes(weights) - (0 if tied else embed_bytes) + kv
 
 
-def device_intervals(path: str) -> tuple[list[tuple[int, int]], collections.Counter, collections.Counter]:
-    """(kernel intervals, time per kernel name, count per kernel name) of the GPU plane of a profile."""
+def device_intervals(path: str, timeline: str | None = None) -> tuple[list[tuple[int, int]], collections.Counter,
+                                                                     collections.Counter]:
+    """(kernel intervals, time per kernel name, count per kernel name) of the GPU plane of a profile; with
+    `timeline`, every kernel's (start ns, duration ns, full name) is written there as JSON lines."""
     from jax.profiler import ProfileData
 
     pd = ProfileData.from_file(path)
-    intervals, time_by, count_by = [], collections.Counter(), collections.Counter()
+    intervals, time_by, count_by, events = [], collections.Counter(), collections.Counter(), []
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -58,18 +64,38 @@ def device_intervals(path: str) -> tuple[list[tuple[int, int]], collections.Coun
                 continue
             for e in line.events:
                 intervals.append((int(e.start_ns), int(e.start_ns + e.duration_ns)))
+                if timeline:
+                    events.append((int(e.start_ns), int(e.duration_ns), e.name))
                 name = re.sub(r"_\d+$", "", e.name)[:60]
                 time_by[name] += e.duration_ns
                 count_by[name] += 1
+    if timeline:
+        with open(timeline, "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in sorted(events))
     return intervals, time_by, count_by
 
 
-def device_profile(run) -> tuple[list[tuple[int, int]], collections.Counter, collections.Counter]:
+def device_profile(run, timeline: str | None = None) -> tuple[list[tuple[int, int]], collections.Counter,
+                                                              collections.Counter]:
     """device_intervals of a profile taken while `run()` runs (it must wait for its own results)."""
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
         run()
-    return device_intervals(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+    return device_intervals(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0], timeline)
+
+
+def gaps_ns(intervals: list[tuple[int, int]], large_ns: int = 10_000) -> tuple[int, int, int]:
+    """Idle time between the merged kernel intervals: (sum of gaps >= large_ns, their count, sum of smaller gaps)."""
+    large = count = small = 0
+    end = None
+    for s, e in sorted(intervals):
+        if end is not None and s > end:
+            if s - end >= large_ns:
+                large, count = large + s - end, count + 1
+            else:
+                small += s - end
+        end = e if end is None else max(end, e)
+    return large, count, small
 
 
 def busy_ns(intervals: list[tuple[int, int]]) -> tuple[int, int]:
@@ -85,25 +111,58 @@ def busy_ns(intervals: list[tuple[int, int]]) -> tuple[int, int]:
     return total, (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0
 
 
-def run_variant(cfg, weights, batch: int, context: int, steps: int, profile: bool):
+def build(cfg, weights, batch: int, context: int, per_dispatch: int):
+    """(step, state, inputs on the device) where step(weights, state, inputs) -> (packed, None, state) runs
+    `per_dispatch` decode steps: step_fn as the engine compiles it for 1, decode_steps_fn for more."""
     start = time.perf_counter()
-    step, state, inp = decode_step(cfg, weights, batch, context)
-    print(f"  batch {batch}: compiled and run once in {time.perf_counter() - start:.1f} s", flush=True)
-    inp = {name: jnp.asarray(x) for name, x in inp.items()}  # inputs on the device: the step alone is timed
-    times = []
+    if per_dispatch == 1:
+        step, state, inp = decode_step(cfg, weights, batch, context)
+    else:
+        pages = -(-(context + per_dispatch) // PAGE_SIZE)
+        cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)
+        state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
+        inp = decode_inputs(batch, context, pages, cfg.vocab_size)
+        compiled = jax.jit(partial(decode_steps_fn, cfg=cfg, steps=per_dispatch), donate_argnums=(1,)).lower(
+            weights, state, inp).compile()
+
+        def step(w, s, i):
+            packed, s = compiled(w, s, i)
+            return packed, None, s
+    print(f"  batch {batch}, {per_dispatch} step(s) per dispatch: compiled in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    return step, state, {name: jnp.asarray(x) for name, x in inp.items()}  # on the device: the step alone is timed
+
+
+def profile_steps(step, weights, state, inp, dispatches: int, per_dispatch: int, timeline: str | None = None):
+    """Device busy time, idle gaps and the kernels that take the time, per decode step, from a profile."""
+    intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, dispatches), timeline)
+    if not intervals:
+        return None
+    steps = dispatches * per_dispatch
+    busy, span = busy_ns(intervals)
+    large, count, small = gaps_ns(intervals)
+    return {"busy_per_step_s": busy / steps / 1e9, "span_per_step_s": span / steps / 1e9,
+            "large_gaps_per_step_s": large / steps / 1e9, "large_gaps": count,
+            "small_gaps_per_step_s": small / steps / 1e9, "kernels_per_step": len(intervals) / steps,
+            "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(14)]}
+
+
+def run_variant(cfg, weights, batch: int, context: int, steps: tuple[int, ...], per_dispatch: tuple[int, ...] = (1,),
+                timeline: str | None = None):
+    """{(steps per dispatch, steps timed): (wall seconds per step, profile)}; the variants are compiled first, then
+    timed in turn three times (the median is kept), so that drift of the machine falls on all of them alike.
+    A run of few steps includes the pipeline's fill and drain (the first launch, the last read back); a long one
+    is the steady state of a long generation."""
+    built = {k: list(build(cfg, weights, batch, context, k)) for k in per_dispatch}
+    times: dict[tuple[int, int], list[float]] = {(k, n): [] for k in per_dispatch for n in steps}
     for _ in range(3):
-        seconds, state = run_steps(step, weights, state, inp, steps)
-        times.append(seconds)
-    wall = float(np.median(times))
-    prof = None
-    if profile:
-        intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, steps))
-        if intervals:
-            busy, span = busy_ns(intervals)
-            prof = {"busy_per_step_s": busy / steps / 1e9, "span_per_step_s": span / steps / 1e9,
-                    "kernels_per_step": len(intervals) / steps,
-                    "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(14)]}
-    return wall, prof
+        for k, b in built.items():
+            for n in steps:
+                seconds, b[1] = run_steps(b[0], weights, b[1], b[2], max(1, n // k))
+                times[k, n].append(seconds / k)
+    profiles = {k: profile_steps(b[0], weights, b[1], b[2], max(1, steps[0] // k), k,
+                                 timeline and f"{timeline}_x{k}.jsonl") for k, b in built.items()}
+    return {(k, n): (float(np.median(t)), profiles[k]) for (k, n), t in times.items()}
 
 
 def main() -> None:
@@ -112,7 +171,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--variants", default="bfloat16,int8")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", default="20", help="steps per timing; several (20,200) time the ramp and the steady state")
+    ap.add_argument("--timeline", default=None, help="write every profiled kernel to PREFIX_x<steps per dispatch>.jsonl")
+    ap.add_argument("--per-dispatch", default="1", help="decode steps per dispatch to compare, e.g. 1,4,8")
     ap.add_argument("--out", default="benchmarks/results/decode_profile_gpu.jsonl")
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -121,26 +182,32 @@ def main() -> None:
     print(f"{jax.devices()[0]} jax {jax.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     variants = {"bfloat16": lambda: bf16, "int8": lambda: quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)}
+    per_dispatch = tuple(int(k) for k in args.per_dispatch.split(","))
     table = []
     for name in args.variants.split(","):
         weights = variants[name]()
         for batch in [int(b) for b in args.batches.split(",")]:
-            wall, prof = run_variant(cfg, weights, batch, args.context, args.steps, profile=True)
-            nbytes = step_bytes(cfg, weights, batch, args.context)
-            floor = nbytes / copy_bw
-            config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "weights": name,
-                      "batch": batch, "context": args.context, "steps": args.steps}
-            record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
-                   higher_is_better=False)
-            line = f"{name:9s} b{batch:<4d} {wall * 1e3:7.3f} ms/step  floor {floor * 1e3:6.3f} ms = {floor / wall:5.1%}"
-            if prof:
-                record(out, "decode_device_busy", config, "busy_fraction", prof["busy_per_step_s"] / wall, "fraction")
-                line += (f"  busy {prof['busy_per_step_s'] * 1e3:.3f} ms ({prof['busy_per_step_s'] / wall:.1%} of wall)"
-                         f"  {prof['kernels_per_step']:.0f} kernels/step")
-                print(line)
-                for n, us, c in prof["top"]:
-                    print(f"    {us:9.1f} us  x{c:5.1f}  {n}")
-            table.append(line)
+            floor = step_bytes(cfg, weights, batch, args.context) / copy_bw
+            steps = tuple(int(n) for n in args.steps.split(","))
+            results = run_variant(cfg, weights, batch, args.context, steps, per_dispatch, args.timeline)
+            for (k, n), (wall, prof) in results.items():
+                config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "weights": name,
+                          "batch": batch, "context": args.context, "steps": n, "steps_per_dispatch": k}
+                record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
+                       higher_is_better=False)
+                line = (f"{name:9s} b{batch:<4d} x{k:<2d} {n:4d} steps {wall * 1e3:7.3f} ms/step  floor {floor * 1e3:6.3f} ms ="
+                        f" {floor / wall:5.1%}")
+                if prof:
+                    record(out, "decode_device_busy", config, "busy_fraction", prof["busy_per_step_s"] / wall,
+                           "fraction")
+                    line += (f"  busy {prof['busy_per_step_s'] * 1e3:.3f} ms ({prof['busy_per_step_s'] / wall:.1%})"
+                             f"  {prof['kernels_per_step']:.0f} kernels/step; idle gaps >= 10 us:"
+                             f" {prof['large_gaps_per_step_s'] * 1e6:.1f} us/step ({prof['large_gaps']}),"
+                             f" smaller: {prof['small_gaps_per_step_s'] * 1e6:.1f} us/step")
+                    print(line)
+                    for n, us, c in prof["top"]:
+                        print(f"    {us:9.1f} us  x{c:5.1f}  {n}")
+                table.append(line)
         del weights
     print("\n".join(table))
 

@@ -100,9 +100,10 @@ def alternate(built: dict, weights, rounds: int = 5, steps: int = 20) -> dict[st
 
 
 def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
-    """Batch-1 decode step with the kernel's split rule and with the rule it replaced."""
+    """Batch-1 decode step with the kernel's split rule and with the rule it replaced (`floor_splits`), alternated
+    (100 steps a turn), each profiled for its attention kernel's time."""
     original = decode_gpu.default_splits
-    variants = {"default": original, "two_waves": two_waves}
+    variants = {"default": original, "floor": decode_gpu.floor_splits}
     built = {}
     for name, rule in variants.items():
         decode_gpu.default_splits = rule
@@ -110,28 +111,36 @@ def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
             built[name] = decode_step(LLAMA_8B, weights, 1, context)
         finally:
             decode_gpu.default_splits = original
-    times = alternate(built, weights)
+    times = alternate(built, weights, steps=100)
     floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
-    base = float(np.median(times["default"]))
+    base = float(np.median(times["floor"]))
     for name, ts in times.items():
+        step, state, inp = built[name]
+        intervals, time_by, count_by = device_profile(
+            lambda step=step, state=state, inp=inp: run_steps(step, weights, state, inp, 20))
+        busy, _ = busy_ns(intervals)
+        attention_us = sum(v for n, v in time_by.items() if "mosaic" in n) / 20e3
         t = float(np.median(ts))
-        record(OUT, "decode_step_splits_ab", {"batch": 1, "context": context, "rule": name, "runs_s": ts},
-               "seconds_per_step", t, "s", "the kernel's split rule", base, higher_is_better=False)
+        record(OUT, "decode_step_splits_ab", {"batch": 1, "context": context, "rule": name, "runs_s": ts,
+                                              "busy_s": busy / 20e9, "attention_kernel_us": attention_us,
+                                              "floor_s": floor},
+               "seconds_per_step", t, "s", "the previous split rule (floor_splits)", base, higher_is_better=False)
         table.append(f"step b=1 ctx={context} {name:8s} {t * 1e3:7.3f} ms = {floor / t:5.1%} of floor "
-                     f"({base / t:5.3f}x default)")
+                     f"({base / t:5.3f}x floor rule), busy {busy / 20e6:.3f} ms, attention {attention_us:.0f} us/step")
         print(table[-1], flush=True)
 
 
 def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
     """Batch-1 decode step compiled with XLA's defaults (Triton GEMM fusions) and with other compiler options
     (env GEMM_VARIANTS picks among them): cuBLAS for every product, every fusion through Triton's block-level
-    emitter, Triton's heroless priority fusion, no CUDA graphs, or CUDA graphs of any size; timed alternately
-    in this process, each profiled."""
+    emitter, Triton's heroless priority fusion, no CUDA graphs, CUDA graphs of any size, or the autotuner's
+    exhaustive search over GEMM tilings; timed alternately in this process (100 steps a turn), each profiled."""
     variants = {"default": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
                 "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
                 "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
                 "graphs_off": {"xla_gpu_enable_command_buffer": ""},
-                "graphs_min1": {"xla_gpu_graph_min_graph_size": 1}}
+                "graphs_min1": {"xla_gpu_graph_min_graph_size": 1},
+                "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
     variants = {k: v for k, v in variants.items() if k in GEMM_VARIANTS}
     built = {}
     for name, options in variants.items():
@@ -142,7 +151,7 @@ def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
             print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         print(f"  {name}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
-    times = alternate(built, weights)
+    times = alternate(built, weights, steps=100)
     floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
     base_name = "default" if "default" in times else next(iter(times))  # the first that compiled, if not default
     base = float(np.median(times[base_name]))

@@ -58,10 +58,29 @@ class BlockSizes:
 
 
 def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
-    """Sequence splits per (slot, KV head): enough for one wave of programs over the SMs, at least one block
-    each. On the H100 (`benchmarks/small_batch_gpu.py`) this beat two waves of at least four blocks a split:
-    batch 1 at 1,504 tokens 25 against 38 us, batch 8 at 8,192 tokens 117-128 against 143 us, and the 8B
-    decode step at batch 1 ran 2.5 % faster (6.41 against 6.57 ms, both rules built in one process)."""
+    """Sequence splits per (slot, KV head): as many as one wave of programs over the SMs holds, each split a whole
+    number of blocks (`paged_attention` rounds a split's length up to blocks, so a count that ignored this would
+    collapse: 11 splits of 1,504 tokens became 6 splits of two 128-token blocks, 48 programs on 132 SMs).
+    On the H100 (`benchmarks/small_batch_gpu.py`) one wave of small splits beat two waves of at least four
+    blocks: the 8B decode step at batch 1 ran 2.5 % faster (6.41 against 6.57 ms, both rules in one process)."""
+    programs = batch * kv_heads
+    if programs >= NUM_SMS:
+        return 1
+    blocks = -(-max_len // block_k)
+    per_split = -(-blocks // (NUM_SMS // programs))
+    return -(-blocks // per_split)
+
+
+def split_layout(batch: int, kv_heads: int, max_len: int, bs: BlockSizes) -> tuple[int, int]:
+    """(splits, tokens per split) of a call: the asked or default count, each split rounded up to whole blocks."""
+    splits = bs.num_splits or (1 if bs.slots_per_program == 2 else default_splits(batch, kv_heads, max_len, bs.block_k))
+    blocks_per_split = -(-max_len // (splits * bs.block_k))
+    split_len = blocks_per_split * bs.block_k
+    return -(-max_len // split_len), split_len
+
+
+def floor_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
+    """The rule `default_splits` replaced (2026-11-24): the split count before the rounding to whole blocks."""
     programs = batch * kv_heads
     if programs >= NUM_SMS:
         return 1
@@ -251,10 +270,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
     dtype = mosaic_dtype(q.dtype)
     max_len = pages_per_row * ps
-    splits = bs.num_splits or (1 if bs.slots_per_program == 2 else default_splits(b, kv, max_len, bs.block_k))
-    split_len = -(-max_len // splits)
-    split_len = -(-split_len // bs.block_k) * bs.block_k
-    splits = -(-max_len // split_len)
+    splits, split_len = split_layout(b, kv, max_len, bs)
     slots = bs.slots_per_program or default_slots(b, kv, splits, hd, bs, jnp.dtype(dtype).itemsize)
     if slots not in (1, 2) or (slots > 1 and splits > 1):
         raise ValueError(f"slots_per_program={slots} must be 1 or 2, and 1 when the sequence is split ({splits=})")

@@ -118,13 +118,21 @@ class TestMosaicGPUInterpret(InterpretSuite):
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend, "bfloat16")
 
     def test_default_splits_make_one_wave(self):
-        from pallas_kernels.paged_attention.mosaic_gpu import NUM_SMS, default_splits
+        from pallas_kernels.paged_attention.mosaic_gpu import NUM_SMS, BlockSizes, split_layout
 
-        assert default_splits(1, 8, 1504, 128) == 11  # one block a split: 88 programs
-        assert default_splits(1, 8, 8192, 128) == -(-NUM_SMS // 8)  # one wave
-        assert default_splits(8, 8, 8192, 128) == 3  # 192 programs, not 320
-        assert default_splits(1, 8, 100, 128) == 1  # shorter than a block
-        assert default_splits(32, 8, 8192, 128) == 1  # 256 (slot, head) pairs fill the chip unsplit
+        def layout(batch, max_len):
+            return split_layout(batch, 8, max_len, BlockSizes(block_k=128))
+
+        assert layout(1, 1504) == (12, 128)  # one block a split: 96 programs (the floor rule's 11 collapsed to 6)
+        assert layout(1, 8192) == (16, 512)  # one wave: 128 programs
+        assert layout(8, 8192) == (2, 4096)  # 128 programs, one wave
+        assert layout(1, 100) == (1, 128)  # shorter than a block
+        assert layout(32, 8192) == (1, 8192)  # 256 (slot, head) pairs fill the chip unsplit
+        for batch in (1, 2, 4, 8, 16):
+            for max_len in (100, 512, 1000, 1504, 2048, 5000, 8192, 32768):
+                splits, split_len = layout(batch, max_len)
+                assert split_len % 128 == 0 and (splits - 1) * split_len < max_len <= splits * split_len
+                assert splits == 1 or batch * 8 * splits <= NUM_SMS
 
     def test_shared_memory_limit_is_named(self):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
