@@ -21,7 +21,6 @@ import re
 import sys
 import tempfile
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +28,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, SMOKE, decode_inputs, decode_step, run_steps  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, SMOKE, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from jaxserve.config import QuantConfig  # noqa: E402
-from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
-from jaxserve.step import DeviceState, decode_steps_fn  # noqa: E402
 
 
 def step_bytes(cfg, weights, batch: int, context: int) -> int:
@@ -111,34 +108,11 @@ def busy_ns(intervals: list[tuple[int, int]]) -> tuple[int, int]:
     return total, (max(e for _, e in intervals) - min(s for s, _ in intervals)) if intervals else 0
 
 
-def build(cfg, weights, batch: int, context: int, per_dispatch: int):
-    """(step, state, inputs on the device) where step(weights, state, inputs) -> (packed, None, state) runs
-    `per_dispatch` decode steps: step_fn as the engine compiles it for 1, decode_steps_fn for more."""
-    start = time.perf_counter()
-    if per_dispatch == 1:
-        step, state, inp = decode_step(cfg, weights, batch, context)
-    else:
-        pages = -(-(context + per_dispatch) // PAGE_SIZE)
-        cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)
-        state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
-        inp = decode_inputs(batch, context, pages, cfg.vocab_size)
-        compiled = jax.jit(partial(decode_steps_fn, cfg=cfg, steps=per_dispatch), donate_argnums=(1,)).lower(
-            weights, state, inp).compile()
-
-        def step(w, s, i):
-            packed, s = compiled(w, s, i)
-            return packed, None, s
-    print(f"  batch {batch}, {per_dispatch} step(s) per dispatch: compiled in {time.perf_counter() - start:.1f} s",
-          flush=True)
-    return step, state, {name: jnp.asarray(x) for name, x in inp.items()}  # on the device: the step alone is timed
-
-
-def profile_steps(step, weights, state, inp, dispatches: int, per_dispatch: int, timeline: str | None = None):
+def profile_steps(step, weights, state, inp, steps: int, timeline: str | None = None):
     """Device busy time, idle gaps and the kernels that take the time, per decode step, from a profile."""
-    intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, dispatches), timeline)
+    intervals, time_by, count_by = device_profile(lambda: run_steps(step, weights, state, inp, steps), timeline)
     if not intervals:
         return None
-    steps = dispatches * per_dispatch
     busy, span = busy_ns(intervals)
     large, count, small = gaps_ns(intervals)
     return {"busy_per_step_s": busy / steps / 1e9, "span_per_step_s": span / steps / 1e9,
@@ -147,22 +121,21 @@ def profile_steps(step, weights, state, inp, dispatches: int, per_dispatch: int,
             "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(14)]}
 
 
-def run_variant(cfg, weights, batch: int, context: int, steps: tuple[int, ...], per_dispatch: tuple[int, ...] = (1,),
-                timeline: str | None = None):
-    """{(steps per dispatch, steps timed): (wall seconds per step, profile)}; the variants are compiled first, then
-    timed in turn three times (the median is kept), so that drift of the machine falls on all of them alike.
-    A run of few steps includes the pipeline's fill and drain (the first launch, the last read back); a long one
-    is the steady state of a long generation."""
-    built = {k: list(build(cfg, weights, batch, context, k)) for k in per_dispatch}
-    times: dict[tuple[int, int], list[float]] = {(k, n): [] for k in per_dispatch for n in steps}
+def run_variant(cfg, weights, batch: int, context: int, steps: tuple[int, ...], timeline: str | None = None):
+    """{steps timed: (wall seconds per step, profile)}: each count timed three times in turn (the median kept).
+    A run of few steps includes the pipeline's fill and drain (the first launch, the last read back); a long
+    one is the steady state of a long generation."""
+    start = time.perf_counter()
+    step, state, inp = decode_step(cfg, weights, batch, context)
+    print(f"  batch {batch}: compiled and run once in {time.perf_counter() - start:.1f} s", flush=True)
+    inp = {name: jnp.asarray(x) for name, x in inp.items()}  # inputs on the device: the step alone is timed
+    times: dict[int, list[float]] = {n: [] for n in steps}
     for _ in range(3):
-        for k, b in built.items():
-            for n in steps:
-                seconds, b[1] = run_steps(b[0], weights, b[1], b[2], max(1, n // k))
-                times[k, n].append(seconds / k)
-    profiles = {k: profile_steps(b[0], weights, b[1], b[2], max(1, steps[0] // k), k,
-                                 timeline and f"{timeline}_x{k}.jsonl") for k, b in built.items()}
-    return {(k, n): (float(np.median(t)), profiles[k]) for (k, n), t in times.items()}
+        for n in steps:
+            seconds, state = run_steps(step, weights, state, inp, n)
+            times[n].append(seconds)
+    profile = profile_steps(step, weights, state, inp, steps[0], timeline)
+    return {n: (float(np.median(t)), profile) for n, t in times.items()}
 
 
 def main() -> None:
@@ -172,8 +145,7 @@ def main() -> None:
     ap.add_argument("--variants", default="bfloat16,int8")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", default="20", help="steps per timing; several (20,200) time the ramp and the steady state")
-    ap.add_argument("--timeline", default=None, help="write every profiled kernel to PREFIX_x<steps per dispatch>.jsonl")
-    ap.add_argument("--per-dispatch", default="1", help="decode steps per dispatch to compare, e.g. 1,4,8")
+    ap.add_argument("--timeline", default=None, help="write every profiled kernel (start, duration, name) to this file")
     ap.add_argument("--out", default="benchmarks/results/decode_profile_gpu.jsonl")
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -182,20 +154,18 @@ def main() -> None:
     print(f"{jax.devices()[0]} jax {jax.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     variants = {"bfloat16": lambda: bf16, "int8": lambda: quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)}
-    per_dispatch = tuple(int(k) for k in args.per_dispatch.split(","))
     table = []
     for name in args.variants.split(","):
         weights = variants[name]()
         for batch in [int(b) for b in args.batches.split(",")]:
             floor = step_bytes(cfg, weights, batch, args.context) / copy_bw
             steps = tuple(int(n) for n in args.steps.split(","))
-            results = run_variant(cfg, weights, batch, args.context, steps, per_dispatch, args.timeline)
-            for (k, n), (wall, prof) in results.items():
+            for n, (wall, prof) in run_variant(cfg, weights, batch, args.context, steps, args.timeline).items():
                 config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "weights": name,
-                          "batch": batch, "context": args.context, "steps": n, "steps_per_dispatch": k}
+                          "batch": batch, "context": args.context, "steps": n}
                 record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
                        higher_is_better=False)
-                line = (f"{name:9s} b{batch:<4d} x{k:<2d} {n:4d} steps {wall * 1e3:7.3f} ms/step  floor {floor * 1e3:6.3f} ms ="
+                line = (f"{name:9s} b{batch:<4d} {n:4d} steps {wall * 1e3:7.3f} ms/step  floor {floor * 1e3:6.3f} ms ="
                         f" {floor / wall:5.1%}")
                 if prof:
                     record(out, "decode_device_busy", config, "busy_fraction", prof["busy_per_step_s"] / wall,

@@ -87,25 +87,6 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     return packed, logits, DeviceState(out.cache, last_tokens)
 
 
-def decode_steps_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *, cfg: ModelConfig,
-                    steps: int, attention: str | AttentionFn = "auto") -> tuple[jax.Array, DeviceState]:
-    """`steps` greedy decode steps in one dispatch -> (packed [steps, rows, 2 + 2 * NUM_TOP], state).
-
-    Step i computes position `positions + i` of each row from the token step i - 1 chose (the slot's last
-    token on the device), so the host dispatches once for `steps` tokens per row. The loop's trip count is
-    static: XLA's GPU while-thunk then runs the body `steps` times without reading a predicate back."""
-    def body(i: jax.Array, carry: tuple[DeviceState, jax.Array]) -> tuple[DeviceState, jax.Array]:
-        state, packed_all = carry
-        step_inp = dict(inp, positions=inp["positions"] + i, feed=inp["feed"] | (i > 0))
-        packed, _, state = step_fn(weights, state, step_inp, cfg=cfg, attention=attention)
-        return state, packed_all.at[i].set(packed)
-
-    rows = inp["tokens"].shape[0]
-    packed_all = jnp.zeros((steps, rows, 2 + 2 * NUM_TOP), jnp.float32)
-    state, packed_all = jax.lax.fori_loop(0, steps, body, (state, packed_all))
-    return packed_all, state
-
-
 def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each row's most likely token (the first, on ties) and its log-probability, in three passes over the
     logits (max, first index of the max, log-sum-exp) that XLA:CPU vectorises; argmax's variadic reduction

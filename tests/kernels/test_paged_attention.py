@@ -117,22 +117,21 @@ class TestMosaicGPUInterpret(InterpretSuite):
         truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend, "bfloat16")
 
-    def test_default_splits_make_one_wave(self):
-        from pallas_kernels.paged_attention.mosaic_gpu import NUM_SMS, BlockSizes, split_layout
+    def test_split_layout(self):
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes, split_layout
 
         def layout(batch, max_len):
             return split_layout(batch, 8, max_len, BlockSizes(block_k=128))
 
-        assert layout(1, 1504) == (12, 128)  # one block a split: 96 programs (the floor rule's 11 collapsed to 6)
-        assert layout(1, 8192) == (16, 512)  # one wave: 128 programs
-        assert layout(8, 8192) == (2, 4096)  # 128 programs, one wave
+        assert layout(1, 1504) == (6, 256)  # 11 splits asked, each rounded up to two blocks: 48 programs
+        assert layout(1, 8192) == (16, 512)  # 128 programs: one wave
+        assert layout(8, 8192) == (3, 2816)  # 192 programs, not 320
         assert layout(1, 100) == (1, 128)  # shorter than a block
         assert layout(32, 8192) == (1, 8192)  # 256 (slot, head) pairs fill the chip unsplit
         for batch in (1, 2, 4, 8, 16):
             for max_len in (100, 512, 1000, 1504, 2048, 5000, 8192, 32768):
                 splits, split_len = layout(batch, max_len)
                 assert split_len % 128 == 0 and (splits - 1) * split_len < max_len <= splits * split_len
-                assert splits == 1 or batch * 8 * splits <= NUM_SMS
 
     def test_shared_memory_limit_is_named(self):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
