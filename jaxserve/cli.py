@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -70,7 +71,6 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def parallel_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     """`base` (a ParallelConfig; default 1 x 1 x 1) with the given --tp/--sp/--dp."""
-    import dataclasses
 
     from jaxserve.config import ParallelConfig
 
@@ -81,7 +81,6 @@ def parallel_from_args(args: argparse.Namespace, base: Any = None) -> Any:
 def start_distributed(args: argparse.Namespace, base: Any = None) -> bool:
     """Joins the multi-host group from `base` (a DistributedConfig), the flags and the environment; True
     when there is more than one process. Call it before anything else asks JAX for devices."""
-    import dataclasses
     import os
 
     from jaxserve.config import DistributedConfig
@@ -149,7 +148,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from jaxserve.model.quant import is_quantized, linear_bytes
     from jaxserve.model.weights import param_bytes
@@ -210,7 +208,6 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serves the gRPC API until SIGTERM; flags override the YAML config."""
-    import dataclasses
 
     from jaxserve.config import ServerConfig, load_yaml
     from jaxserve.server.server import serve
@@ -293,6 +290,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model = _load(args)
     cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
                        attention=args.attention or "auto", parallel=parallel_from_args(args))
+    if args.kv_memory_fraction:
+        cfg = dataclasses.replace(cfg, kv_memory_fraction=args.kv_memory_fraction)
     if is_follower():
         from jaxserve.step import StepRunner
 
@@ -361,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--max-slots", type=int, default=None, help="decode slots (default: min(requests, 64))")
+    bench.add_argument("--kv-memory-fraction", type=float, default=0.0,
+                       help="size the KV pages from the device's memory: this share of it in all (GPU/TPU; default: "
+                            "every slot's full length)")
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
 

@@ -263,6 +263,10 @@ class EngineConfig:
     decode_row_buckets: tuple[int, ...] = ()
     compilation_cache_dir: str | None = None
     max_logprobs: int = 20
+    # Share of each device's memory limit the engine may hold in all (weights, KV pages): when above 0,
+    # num_pages becomes however many pages fit in it beside what is already in use (the weights), as vLLM's
+    # gpu_memory_utilization. The rest is left for the compiled steps' activations. 0: num_pages as given.
+    kv_memory_fraction: float = 0.0
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
 
     def __post_init__(self) -> None:
@@ -282,6 +286,8 @@ class EngineConfig:
             raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
         if self.prefill_tokens < 0:
             raise JaxserveError(f"prefill_tokens must be >= 0 (0: the largest chunk), got {self.prefill_tokens}")
+        if not 0.0 <= self.kv_memory_fraction < 1.0:
+            raise JaxserveError(f"kv_memory_fraction must be in [0, 1) (0: use num_pages), got {self.kv_memory_fraction}")
         if self.num_pages < self.max_pages_per_slot:
             raise JaxserveError(
                 f"num_pages={self.num_pages} cannot hold even one full slot of max_pages_per_slot={self.max_pages_per_slot}"

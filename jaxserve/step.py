@@ -9,6 +9,7 @@ is donated, so XLA updates its pages in place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig
 from jaxserve.engine.batch import NUM_TOP, StepInput, StepOutput
 from jaxserve.engine.engine import Engine
+from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.sampler import sample
@@ -124,6 +126,22 @@ def _commit(chosen: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots:
     return packed, last_tokens.at[slots].set(tokens, mode="drop")
 
 
+def pages_in_memory(stats: list[dict[str, int]], fraction: float, unit_bytes: int, unit: int, *, reserved: int,
+                    at_least: int) -> int:
+    """Pages, in multiples of `unit` (each `unit` pages take `unit_bytes` on every device), that fit on every
+    device in `fraction` of its memory limit beside what it has in use, less `reserved` (the padding page).
+    Raises if fewer than `at_least` fit (one full slot)."""
+    free = min(s["bytes_limit"] * fraction - s.get("bytes_in_use", 0) for s in stats)
+    pages = int(max(free, 0) // unit_bytes) * unit - reserved
+    if pages < at_least:
+        in_use = max(s.get("bytes_in_use", 0) for s in stats)
+        raise JaxserveError(
+            f"kv_memory_fraction={fraction} leaves {max(free, 0) / 2**30:.2f} GiB for KV pages beside the "
+            f"{in_use / 2**30:.2f} GiB in use: {max(pages, 0)} pages, fewer than the {at_least} of one full slot "
+            f"(max_pages_per_slot); raise kv_memory_fraction or lower max_pages_per_slot")
+    return pages
+
+
 class StepRunner:
     """Owns the device state (weights, KV pages) and the compiled steps.
 
@@ -150,6 +168,9 @@ class StepRunner:
             self.plan = MeshPlan.build(model.config, model.weights, cfg)
             self.model_cfg, self.weights = self.plan.model_cfg, self.plan.weights
             self.lockstep = Lockstep(cfg.max_slots) if jax.process_count() > 1 else None
+        if cfg.kv_memory_fraction:  # after the weights are in place: what remains is the pages'
+            self.cfg = cfg = dataclasses.replace(cfg, num_pages=self._pages_that_fit(dtype))
+        if self.plan is not None:
             self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
                                      jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
         else:
@@ -191,6 +212,30 @@ class StepRunner:
         jax.block_until_ready(self.state)
         log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
                  time.perf_counter() - compiled)
+
+    def _pages_that_fit(self, dtype: Any) -> int:
+        """KV pages that fit in cfg.kv_memory_fraction of the devices' memory (see `pages_in_memory`)."""
+        cfg, mc = self.cfg, self.model_cfg
+        if jax.process_count() > 1:
+            raise JaxserveError("kv_memory_fraction sizes the pool from one process's devices; with several "
+                                "processes set num_pages, the same on every process")
+        unit = cfg.parallel.sp  # the pool is split evenly over the sequence axis: pages come in multiples of it
+        shape = (mc.num_kv_heads, unit, cfg.page_size, mc.head_dim)
+        if self.plan is not None:
+            shape = self.plan.cache_sharding(unit, cfg.page_size).shard_shape(shape)
+        devices = list(self.plan.mesh.devices.flat) if self.plan is not None else [jax.devices()[0]]
+        stats = []
+        for device in devices:
+            stats.append(device.memory_stats() or {})
+            if "bytes_limit" not in stats[-1]:
+                raise JaxserveError(f"kv_memory_fraction needs devices that report their memory; {device.platform} "
+                                    f"device {device.id} does not: set num_pages instead")
+        unit_bytes = 2 * mc.num_layers * int(np.prod(shape)) * jnp.dtype(dtype).itemsize  # K and V of every layer
+        pages = pages_in_memory(stats, cfg.kv_memory_fraction, unit_bytes, unit, reserved=0 if self.plan else 1,
+                                at_least=cfg.max_pages_per_slot)
+        log.info("kv_memory_fraction=%.2f: %d KV pages of %d tokens, %.2f GiB a device", cfg.kv_memory_fraction,
+                 pages, cfg.page_size, pages * unit_bytes / unit / 2**30)
+        return pages
 
     def _jit(self, step: Callable[..., Any], bucket: tuple[int, int, int]) -> Any:
         if self.plan is None:
@@ -260,7 +305,8 @@ class StepRunner:
 
 def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
     """Compiles every bucket for `model` and returns an engine ready to take requests."""
-    return Engine(StepRunner(model, cfg), model.tokenizer, cfg, vocab_size=model.config.vocab_size,
+    runner = StepRunner(model, cfg)
+    return Engine(runner, model.tokenizer, runner.cfg, vocab_size=model.config.vocab_size,  # num_pages may be sized
                   context_len=model.config.max_position_embeddings)
 
 

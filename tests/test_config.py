@@ -35,6 +35,7 @@ def test_engine_section_may_be_partial_and_top_level_engine_config_still_loads(t
     ("tls_cert: a.pem\n", "TLS needs both tls_cert and tls_key"),
     ("tls_client_ca: ca.pem\n", "tls_client_ca='ca.pem' (mutual TLS) needs tls_cert and tls_key"),
     ("engine:\n  chunk_buckets: [64, 16]\n", "chunk_buckets must be strictly increasing"),
+    ("engine:\n  kv_memory_fraction: 1.5\n", "kv_memory_fraction must be in [0, 1) (0: use num_pages), got 1.5"),
     ("dtype: float16\n", "dtype must be float32 or bfloat16, got 'float16'"),
     ("auth_token: x\nauth_token_file: /t\n", "set auth_token or auth_token_file, not both"),
     ("- 1\n", "expected a mapping of ServerConfig keys, got list"),

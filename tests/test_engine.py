@@ -194,6 +194,32 @@ def test_no_step_branches_on_a_device_value(small):
         assert " conditional(" not in text and " while(" not in text
 
 
+def test_kv_pages_sized_from_device_memory():
+    """kv_memory_fraction: the pages that fit in that share of every device's limit beside what is in use, in
+    multiples of the sequence axis, less the padding page; too few for one slot is an error naming the figures."""
+    from jaxserve.errors import JaxserveError
+    from jaxserve.step import pages_in_memory
+
+    gib = 2**30
+    one = [{"bytes_limit": 80 * gib, "bytes_in_use": 16 * gib}]
+    assert pages_in_memory(one, 0.9, gib // 4, 1, reserved=1, at_least=64) == (72 - 16) * 4 - 1
+    two = one + [{"bytes_limit": 80 * gib, "bytes_in_use": 20 * gib}]  # the fullest device sets the pool
+    assert pages_in_memory(two, 0.9, gib // 4, 2, reserved=0, at_least=64) == (72 - 20) * 4 * 2
+    with pytest.raises(JaxserveError, match=r"leaves 0.00 GiB for KV pages beside the 16.00 GiB in use: 0 pages, "
+                                            r"fewer than the 64 of one full slot"):
+        pages_in_memory(one, 0.2, gib // 4, 1, reserved=1, at_least=64)
+
+
+def test_kv_memory_fraction_needs_a_device_that_reports_memory(small):
+    from jaxserve.errors import JaxserveError
+    from jaxserve.step import StepRunner
+
+    cfg = EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4, chunk_buckets=(16,),
+                       kv_memory_fraction=0.9)
+    with pytest.raises(JaxserveError, match="kv_memory_fraction needs devices that report their memory; cpu device 0"):
+        StepRunner(small, cfg)
+
+
 def test_padding_tokens_write_only_the_padding_page(small):
     """The engine's cache has one page past its pool: padding tokens (valid False) write their K/V there and no
     page of the pool changes. Without that page (a pool split over devices) their writes are dropped."""
