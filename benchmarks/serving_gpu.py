@@ -73,9 +73,12 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
 
 
 def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
-                  prefill_tokens: int, decode_rows: tuple[int, ...] = (), cache_dir: str | None = None):
-    """`jaxserve bench`'s engine for the load, with slots from free memory, one prefill chunk width and the
-    decode row counts the loads will use; compilations go to a persistent cache."""
+                  prefill_tokens: int, decode_rows: tuple[int, ...] = (), cache_dir: str | None = None,
+                  memory_fraction: float = 0.0):
+    """`jaxserve bench`'s engine for the load, one prefill chunk width and the decode row counts the loads will
+    use; compilations go to a persistent cache. Slots: as many as free memory holds at their full length or,
+    with `memory_fraction`, one per request (up to 256) over the pages the engine sizes from memory
+    (kv_memory_fraction), so that requests are preempted when the pages run out."""
     import dataclasses
 
     from jaxserve.bench import bench_config
@@ -83,11 +86,15 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
     cfg = bench_config(requests, input_len, output_len, max_slots=min(requests, 256), chunk_buckets=(chunk,),
                        prefill_rows=(1, 2, 4, 8), prefill_tokens=prefill_tokens)
     itemsize = model.weights.final_norm.dtype.itemsize
-    slots = slots_that_fit(model.config, cfg.max_pages_per_slot, cfg.page_size, itemsize, cfg.max_slots, reserve)
+    if memory_fraction:  # every slot wanted; the engine sizes the pages
+        slots = cfg.max_slots
+    else:
+        slots = slots_that_fit(model.config, cfg.max_pages_per_slot, cfg.page_size, itemsize, cfg.max_slots, reserve)
     # One decode page width: the Pallas decode kernel reads each row's own length whatever the table's width
     # (narrower widths only help XLA's attention, which gathers the whole table), and each width is another
     # compile of every decode row count (about 100 s for an 8B bucket).
     return dataclasses.replace(cfg, max_slots=slots, num_pages=slots * cfg.max_pages_per_slot, decode_page_buckets=(),
+                               kv_memory_fraction=memory_fraction,
                                prefill_rows=tuple(r for r in cfg.prefill_rows if r <= slots),
                                decode_row_buckets=tuple(sorted({r for r in decode_rows if 0 < r < slots} | {slots})),
                                compilation_cache_dir=cache_dir)
@@ -182,6 +189,9 @@ def main() -> None:
     ap.add_argument("--peer-requests", type=int, default=64, help="requests run through transformers (0 skips)")
     ap.add_argument("--peer-batch", type=int, default=64)
     ap.add_argument("--reserve", type=float, default=0.1, help="share of free device memory left for activations")
+    ap.add_argument("--kv-memory-fraction", type=float, default=0.0,
+                    help="parts 1-2: a slot per request (up to 256) and KV pages sized by the engine from this share "
+                         "of device memory (preempting when they run out); 0: slots that fit at full length")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--cache-dir", default=".jax_cache", help="persistent compilation cache (git-ignored; a warm "
@@ -235,12 +245,13 @@ def main() -> None:
         start = time.perf_counter()
         engine = build_engine(model, ecfg)
         buckets = engine.runner.buckets
-        print(f"  engine of {ecfg.max_slots} slots: {len(buckets)} buckets compiled and run once in "
-              f"{time.perf_counter() - start:.0f} s: {buckets}", flush=True)
+        print(f"  engine of {engine.cfg.max_slots} slots, {engine.cfg.num_pages} pages: {len(buckets)} buckets "
+              f"compiled and run once in {time.perf_counter() - start:.0f} s: {buckets}", flush=True)
         return engine
 
     def details(r: dict) -> dict:
-        return {**base, **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
+        return {**base, "kv_memory_fraction": args.kv_memory_fraction,
+                **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps",
                                              "device_wait_fraction", "decode_step_alone_s") if k in r}}
 
@@ -248,7 +259,8 @@ def main() -> None:
     concurrency = [int(x) for x in args.concurrency.split(",") if x] if "concurrency" in parts else []
     if {"offline", "concurrency"} & parts or peer is not None:
         engine = build(engine_config(model, args.requests, args.input_len, args.output_len, args.reserve, args.chunk,
-                                     args.prefill_tokens, tuple(concurrency) + (args.peer_requests,), args.cache_dir))
+                                     args.prefill_tokens, tuple(concurrency) + (args.peer_requests,), args.cache_dir,
+                                     args.kv_memory_fraction))
         runs: dict[int, dict] = {}
 
         def at(requests: int) -> dict:
