@@ -238,3 +238,19 @@ def test_bench_compiles_page_widths_at_most_a_quarter_apart_and_two_row_counts()
     assert [cfg.decode_rows_for(n) for n in (8, 16, 17)] == [16, 16, 32]
     one = bench_config(1, 2000, 1)
     assert one.decode_page_widths == (126,) and one.decode_buckets == (1,)
+
+
+def test_preempted_requests_wait_for_room_instead_of_thrashing():
+    """The offline load in small: every request submitted at once, more than the pool holds at full length.
+    When the pages run out the latest arrivals are preempted once each and come back only when their whole
+    sequence fits beside a page of growth for every running request; a preempted request re-admitted as soon
+    as its first chunk fit would be preempted again a few steps later, over and over."""
+    cfg = EngineConfig(max_slots=32, page_size=8, num_pages=20 * 16, max_pages_per_slot=16, chunk_buckets=(8, 32),
+                       prefill_rows=(1, 2, 4))
+    scheduler = Scheduler(cfg)
+    rng = random.Random(1)
+    requests = [Request(f"r{i}", [rng.randrange(97) for _ in range(64)], SamplingParams(max_tokens=64), arrival=i)
+                for i in range(32)]
+    simulate(scheduler, [(0, r) for r in requests])
+    assert all(r.finished and len(r.output_ids) == 64 for r in requests)
+    assert 0 < scheduler.num_preemptions <= 32 - 20, scheduler.num_preemptions  # 30 when re-admitted on a chunk

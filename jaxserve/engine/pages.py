@@ -83,6 +83,10 @@ class PageAllocator:
         self.refs[page] += 1
         return page
 
+    def cached_prefix(self, page_hashes: Sequence[int]) -> int:
+        """How many of these prefix hashes, from the first, have a cached page (nothing is taken)."""
+        return next((i for i, h in enumerate(page_hashes) if h not in self._page_of), len(page_hashes))
+
     def register(self, page: int, page_hash: int) -> None:
         """Makes a full page findable by `lookup`; a prefix already cached keeps its first page."""
         if page_hash not in self._page_of and page not in self._hash_of:

@@ -94,9 +94,17 @@ class Scheduler:
             assert not request.unread, "a preempted request's last token is read before it is admitted again"
             reusable = (request.num_tokens - 1) // self.cfg.page_size  # the last token's page stays private
             hashes = page_hashes(request.all_ids, self.cfg.page_size, reusable)
-            needed_now = -(-min(request.pending, self.cfg.max_chunk) // self.cfg.page_size)
-            if self.pages.num_available < needed_now and self.running:
-                return  # wait for pages rather than thrash; with nothing running, admit and let it page in
+            # A new request starts once its first chunk's pages are free. One that was preempted waits until its
+            # whole sequence fits beside a page of growth for every running request: back on its first chunk's
+            # pages alone it would be the first preempted again (the latest arrival), over and over. With
+            # nothing running, either pages in.
+            if request.preemptions:
+                needed = -(-request.num_tokens // self.cfg.page_size) - self.pages.cached_prefix(hashes)
+                needed += len(self.running)
+            else:
+                needed = -(-min(request.pending, self.cfg.max_chunk) // self.cfg.page_size)
+            if self.running and self.pages.num_available < needed:
+                return
             self.waiting.popleft()
             for h in hashes:
                 page = self.pages.lookup(h)
