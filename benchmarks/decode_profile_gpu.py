@@ -1,9 +1,12 @@
 """Where a decode step's time goes on the GPU: an 8B-shaped Llama through jaxserve's step function.
 
 For each variant (bfloat16, int8) and batch, in one run:
-- wall time per step, dispatching steps back to back as the engine does (no sync between steps);
-- from a profile of the same steps: device busy time per step (the union of kernel intervals),
-  kernels per step, and the kernels that take the time, grouped by name;
+- wall time per step, dispatching steps back to back as the engine does (no sync between steps), over
+  20 steps (with the pipeline's fill and drain: the first launch, the last read back) and over 200
+  (the steady state of a long generation);
+- from a profile of the same steps: device busy time per step (the union of kernel intervals), idle
+  gaps split by size, kernels per step, and the kernels that take the time, grouped by name
+  (`--timeline FILE` writes every kernel's start, duration and name);
 - the bandwidth floor: weight bytes plus the K/V bytes a step reads, over a device copy measured
   in the same run.
 
@@ -144,7 +147,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--variants", default="bfloat16,int8")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", default="20", help="steps per timing; several (20,200) time the ramp and the steady state")
+    ap.add_argument("--steps", default="20,200",
+                    help="steps per timing, comma-separated: 20 includes the pipeline's fill and drain (~3 ms on the "
+                         "H100), 200 is the steady state of a 200-token generation")
     ap.add_argument("--timeline", default=None, help="write every profiled kernel (start, duration, name) to this file")
     ap.add_argument("--out", default="benchmarks/results/decode_profile_gpu.jsonl")
     args = ap.parse_args()
