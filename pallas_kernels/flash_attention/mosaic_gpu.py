@@ -64,7 +64,7 @@ def mma_transposed(a_ref: Any, b_ref: Any, *, interpreted: bool) -> jax.Array:
         return lax.dot_general(a_ref[...], b_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     def product(ref):
-        plgpu.wgmma(ref, a_ref, plgpu.transpose_ref(b_ref, (1, 0)))
+        plgpu.wgmma(ref, a_ref, b_ref.transpose((1, 0)))
         return ref[...]
 
     return pl.run_scoped(product, plgpu.ACC((a_ref.shape[0], b_ref.shape[0]), jnp.float32))

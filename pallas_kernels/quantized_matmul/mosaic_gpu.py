@@ -170,7 +170,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
                     plgpu.barrier_wait(tile_bar.at[slot])
                     # B = the activation tile [block_m, block_k] read K-major (transposed): the 16-bit
                     # wgmma takes either major order, and this one needs no transpose of x in memory.
-                    plgpu.wgmma(acc_ref, weight_tile(slot), plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, weight_tile(slot), x_smem.at[slot].transpose((1, 0)))
                     plgpu.wgmma_wait(0)  # the tile is read before its slot is handed back to the producer
                     plgpu.barrier_arrive(free_bar.at[slot])
                     return carry
