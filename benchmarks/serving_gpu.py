@@ -53,20 +53,21 @@ def prefill_flops(cfg, tokens: int) -> float:
 
 
 def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, wanted: int, reserve: float) -> int:
-    """Slots whose KV pages fit in the device's free memory, keeping `reserve` of it for activations."""
+    """Slots whose KV pages fit at full length in the device's memory limit beside what is in use, leaving
+    `reserve` of the limit for activations: the engine's own sizing (`kv_memory_fraction` = 1 - reserve)."""
     import gc
 
     import jax
+
+    from jaxserve.step import pages_in_memory
 
     gc.collect()  # the previous engine's KV pages, if nothing holds them any more
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no limit to size from
         return wanted
-    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * (1 - reserve)
-    per_slot = pages_per_slot * page_size * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
-    slots = min(wanted, int(free // per_slot))
-    if slots < 1:
-        raise SystemExit(f"no slot of {per_slot / 2**30:.2f} GiB fits in {free / 2**30:.2f} GiB of free device memory")
+    page_bytes = page_size * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    pages = pages_in_memory([stats], 1 - reserve, page_bytes, 1, reserved=1, at_least=pages_per_slot)
+    slots = min(wanted, pages // pages_per_slot)
     if slots < wanted:
         print(f"  memory holds {slots} slots of the {wanted} wanted", flush=True)
     return slots
@@ -188,7 +189,8 @@ def main() -> None:
     ap.add_argument("--ttft-len", type=int, default=2000)
     ap.add_argument("--peer-requests", type=int, default=64, help="requests run through transformers (0 skips)")
     ap.add_argument("--peer-batch", type=int, default=64)
-    ap.add_argument("--reserve", type=float, default=0.1, help="share of free device memory left for activations")
+    ap.add_argument("--reserve", type=float, default=0.1,
+                    help="share of the device's memory limit left for activations (slots at full length)")
     ap.add_argument("--kv-memory-fraction", type=float, default=0.0,
                     help="parts 1-2: a slot per request (up to 256) and KV pages sized by the engine from this share "
                          "of device memory (preempting when they run out); 0: slots that fit at full length")

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record, repeated, timed  # noqa: E402
-from benchmarks.decode_profile_gpu import busy_ns, device_profile, step_bytes  # noqa: E402
+from benchmarks.decode_profile_gpu import busy_ns, device_profile, profile_steps, step_bytes  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, PAGE_SIZE, compile_step, decode_step, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth  # noqa: E402
 from benchmarks.serving_gpu import matmul_rate, prefill_flops  # noqa: E402
@@ -109,51 +109,57 @@ def alternate(built: dict, weights, rounds: int = 5, steps: int = 20) -> dict[st
     return times
 
 
+def report_ab(benchmark: str, key: str, built: dict, weights, copy_bw: float, context: int, table: list[str],
+              base_name: str = "default") -> None:
+    """Times the built batch-1 steps alternately (100 steps a turn), profiles each, and records each against
+    `base_name` (the first variant, if that one did not build) under `benchmark`, the variant named by `key`."""
+    times = alternate(built, weights, steps=100)
+    floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
+    base_name = base_name if base_name in times else next(iter(times))
+    base = float(np.median(times[base_name]))
+    for name, ts in times.items():
+        step, state, inp = built[name]
+        prof = profile_steps(step, weights, state, inp, 20)
+        attention_us = sum(us for n, us, _ in prof["top"] if "mosaic" in n)
+        t = float(np.median(ts))
+        record(OUT, benchmark, {"batch": 1, "context": context, key: name, "runs_s": ts,
+                                "busy_s": prof["busy_per_step_s"], "attention_kernel_us": attention_us,
+                                "top": prof["top"][:4], "floor_s": floor},
+               "seconds_per_step", t, "s", base_name, base, higher_is_better=False)
+        table.append(f"step b=1 ctx={context} {name:8s} {t * 1e3:7.3f} ms = {floor / t:5.1%} of floor "
+                     f"({base / t:5.3f}x {base_name}), busy {prof['busy_per_step_s'] * 1e3:.3f} ms, attention "
+                     f"{attention_us:.0f} us; top: " + "; ".join(f"{n} {us:.0f} us x{c:.0f}" for n, us, c in prof["top"][:3]))
+        print(table[-1], flush=True)
+
+
 def step_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
-    """Batch-1 decode step with the kernel's split rule and with `whole_blocks` (tried, not kept), alternated
-    (100 steps a turn), each profiled for its attention kernel's time."""
+    """Batch-1 decode step with the kernel's split rule and with `whole_blocks` (tried, not kept)."""
     original = decode_gpu.default_splits
-    variants = {"default": original, "whole_blocks": whole_blocks}
     built = {}
-    for name, rule in variants.items():
+    for name, rule in {"default": original, "whole_blocks": whole_blocks}.items():
         decode_gpu.default_splits = rule
         try:
             built[name] = decode_step(LLAMA_8B, weights, 1, context)
         finally:
             decode_gpu.default_splits = original
-    times = alternate(built, weights, steps=100)
-    floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
-    base = float(np.median(times["default"]))
-    for name, ts in times.items():
-        step, state, inp = built[name]
-        intervals, time_by, count_by = device_profile(
-            lambda step=step, state=state, inp=inp: run_steps(step, weights, state, inp, 20))
-        busy, _ = busy_ns(intervals)
-        attention_us = sum(v for n, v in time_by.items() if "mosaic" in n) / 20e3
-        t = float(np.median(ts))
-        record(OUT, "decode_step_splits_ab", {"batch": 1, "context": context, "rule": name, "runs_s": ts,
-                                              "busy_s": busy / 20e9, "attention_kernel_us": attention_us,
-                                              "floor_s": floor},
-               "seconds_per_step", t, "s", "the kernel's split rule", base, higher_is_better=False)
-        table.append(f"step b=1 ctx={context} {name:8s} {t * 1e3:7.3f} ms = {floor / t:5.1%} of floor "
-                     f"({base / t:5.3f}x default), busy {busy / 20e6:.3f} ms, attention {attention_us:.0f} us/step")
-        print(table[-1], flush=True)
+    report_ab("decode_step_splits_ab", "rule", built, weights, copy_bw, context, table)
 
 
 def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
     """Batch-1 decode step compiled with XLA's defaults (Triton GEMM fusions) and with other compiler options
     (env GEMM_VARIANTS picks among them): cuBLAS for every product, every fusion through Triton's block-level
     emitter, Triton's heroless priority fusion, no CUDA graphs, CUDA graphs of any size, or the autotuner's
-    exhaustive search over GEMM tilings; timed alternately in this process (100 steps a turn), each profiled."""
+    exhaustive search over GEMM tilings."""
     variants = {"default": {}, "cublas": {"xla_gpu_enable_triton_gemm": False},
                 "block_level": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
                 "heroless": {"xla_gpu_experimental_enable_triton_heroless_priority_fusion": True},
                 "graphs_off": {"xla_gpu_enable_command_buffer": ""},
                 "graphs_min1": {"xla_gpu_graph_min_graph_size": 1},
                 "exhaustive": {"xla_gpu_exhaustive_tiling_search": True}}
-    variants = {k: v for k, v in variants.items() if k in GEMM_VARIANTS}
     built = {}
     for name, options in variants.items():
+        if name not in GEMM_VARIANTS:
+            continue
         start = time.perf_counter()
         try:
             built[name] = decode_step(LLAMA_8B, weights, 1, context, options)
@@ -161,24 +167,7 @@ def gemm_ab(weights, copy_bw: float, context: int, table: list[str]) -> None:
             print(f"  {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         print(f"  {name}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
-    times = alternate(built, weights, steps=100)
-    floor = step_bytes(LLAMA_8B, weights, 1, context) / copy_bw
-    base_name = "default" if "default" in times else next(iter(times))  # the first that compiled, if not default
-    base = float(np.median(times[base_name]))
-    for name, ts in times.items():
-        step, state, inp = built[name]
-        intervals, time_by, count_by = device_profile(
-            lambda step=step, state=state, inp=inp: run_steps(step, weights, state, inp, 20))
-        busy, _ = busy_ns(intervals)
-        t = float(np.median(ts))
-        top = [(n, v / 20e3, count_by[n] / 20) for n, v in time_by.most_common(4)]
-        record(OUT, "decode_step_gemm_ab", {"batch": 1, "context": context, "gemms": name, "runs_s": ts,
-                                            "busy_s": busy / 20e9, "top": top, "floor_s": floor},
-               "seconds_per_step", t, "s", base_name, base, higher_is_better=False)
-        table.append(f"step b=1 ctx={context} {name:8s} {t * 1e3:7.3f} ms = {floor / t:5.1%} of floor "
-                     f"({base / t:5.3f}x {base_name}), busy {busy / 20e6:.3f} ms; top: "
-                     + "; ".join(f"{n} {v:.0f} us x{c:.0f}" for n, v, c in top[:3]))
-        print(table[-1], flush=True)
+    report_ab("decode_step_gemm_ab", "gemms", built, weights, copy_bw, context, table)
 
 
 def prefill_profile(weights, length: int, table: list[str]) -> None:

@@ -71,7 +71,6 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def parallel_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     """`base` (a ParallelConfig; default 1 x 1 x 1) with the given --tp/--sp/--dp."""
-
     from jaxserve.config import ParallelConfig
 
     given = {name: getattr(args, name) for name in ("tp", "sp", "dp") if getattr(args, name, None) is not None}
@@ -148,7 +147,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-
     from jaxserve.model.quant import is_quantized, linear_bytes
     from jaxserve.model.weights import param_bytes
 
@@ -208,7 +206,6 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serves the gRPC API until SIGTERM; flags override the YAML config."""
-
     from jaxserve.config import ServerConfig, load_yaml
     from jaxserve.server.server import serve
 
