@@ -81,6 +81,42 @@ def mma_accumulate(acc: jax.Array, a: jax.Array, b_ref: Any, *, interpreted: boo
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
+def mma_overlapped(q_ref: Any, k_ref: Any, acc: jax.Array, p: jax.Array, v_ref: Any, then: Any, init: tuple,
+                   zeros: jax.Array, *, interpreted: bool) -> tuple[tuple, jax.Array]:
+    """(then(q_ref @ k_refᵀ), acc + p @ v_ref), with `then` running while p·v is on the tensor cores.
+
+    Both products are issued at once; the scores are awaited alone (one wgmma group may stay in
+    flight), and `then` returns values shaped like `init`. p·v is awaited at the end.
+    """
+    if interpreted:
+        s = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return then(s), acc + jnp.dot(p, v_ref[...], preferred_element_type=jnp.float32)
+
+    def body(refs):
+        s_ref, o_ref, *out_refs = refs
+        plgpu.wgmma(s_ref, q_ref, k_ref.transpose((1, 0)))
+        plgpu.wgmma(o_ref, p, v_ref)
+        for ref, value in zip(out_refs, then(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))):
+            ref[...] = value
+
+    _, acc, *out = pl.run_state(body)((plgpu.ACC.init(zeros), plgpu.ACC.init(acc), *init))
+    return tuple(out), acc
+
+
+def online_softmax(s: jax.Array, m: jax.Array, denom: jax.Array, c: float):
+    """One block of the online softmax in base 2: raw scores s (masked keys -inf), m = running max of s·c.
+
+    Returns (p, m, denom, alpha): alpha rescales what was accumulated under the old m. The max is
+    taken of the raw scores, so p = 2^(s·c - m) is one fused multiply-add per score.
+    """
+    if c <= 0:  # a non-positive scale reverses the max: scale first
+        s, c = s * c, 1.0
+    m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    return p, m_new, denom * alpha + jnp.sum(p, axis=1), alpha
+
+
 def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> None:
     """Zeroes rows `first`.. of a [block_k, hd] SMEM tile of V and makes the writes visible to wgmma.
 
@@ -115,6 +151,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
     num_blocks = jnp.maximum(hi + bk - 1, 0) // bk
     lo = jnp.minimum(kv_len, q_start + q0 + 1) if causal else kv_len
     num_full = jnp.clip(lo // bk, 0, num_blocks)
+    n = jnp.maximum(num_blocks, 1)  # a row with no keys still runs one block, all masked, so the loop has a start
 
     seg = min(ROWS, block_q)  # rows of one (head, positions) run inside a warpgroup's 64
 
@@ -159,7 +196,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
             fetch(v_ref, v_smem.at[slot], v_bar.at[slot], j)
             return carry
 
-        lax.fori_loop(0, num_blocks, step, None)
+        lax.fori_loop(0, n, step, None)
 
         def drain(j, carry):  # every completion of a barrier is awaited before the kernel ends
             slot = lax.rem(j, stages)
@@ -167,7 +204,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
             plgpu.barrier_wait(v_free.at[slot])
             return carry
 
-        lax.fori_loop(jnp.maximum(num_blocks - stages, 0), num_blocks, drain, None)
+        lax.fori_loop(jnp.maximum(n - stages, 0), n, drain, None)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -182,46 +219,61 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
         q_pos = q_start + q0 + lax.rem(row, block_q)
         plgpu.barrier_wait(q_bar.at[wg])
 
-        def step(j, carry, *, masked: bool):
-            m, denom, acc = carry
-            slot = lax.rem(j, stages)
-            if masked:
-                plgpu.barrier_wait(v_bar.at[slot])
+        def mask(s, j):
+            k_pos = j * bk + col
+            visible = k_pos < kv_len
+            if causal:
+                visible = visible & (k_pos <= q_pos)
+            return jnp.where(visible, s, -jnp.inf)
 
-                # Both compute warpgroups zero the same rows: they write identical values, so
-                # neither can observe anything but V or zeros after its own writes.
-                @pl.when((j + 1) * bk > kv_len)
-                def _():
-                    zero_rows_from(v_smem.at[slot], kv_len - j * bk, interpreted=interpreted)
+        def softmax(s, m, denom):
+            p, m, denom, alpha = online_softmax(s, m, denom, scale * _LOG2E)
+            return m, denom, p, alpha
 
-            plgpu.barrier_wait(k_bar.at[slot])
-
-            s = mma_transposed(q_tile, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
-            plgpu.barrier_arrive(k_free.at[slot])
-            if masked:
-                k_pos = j * bk + col
-                visible = k_pos < kv_len
-                if causal:
-                    visible = visible & (k_pos <= q_pos)
-                s = jnp.where(visible, s, -jnp.inf)
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            denom = denom * alpha + jnp.sum(p, axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if not masked:
-                plgpu.barrier_wait(v_bar.at[slot])
-
-            acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return m_new, denom, acc
-
+        # Block 0's scores, then for each next block: its q·kᵀ and this block's p·v go to the tensor
+        # cores together, and the next block's softmax runs while p·v is still in flight.
+        plgpu.barrier_wait(k_bar.at[0])
+        s0 = mask(mma_transposed(q_tile, k_smem.at[0], interpreted=interpreted), 0)
+        plgpu.barrier_arrive(k_free.at[0])
         hd = q_smem.shape[-1]
-        m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
-        denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
+        m, denom, p, _ = softmax(s0, row_vec(jnp.full((ROWS,), _NEG, jnp.float32)),
+                                 row_vec(jnp.full((ROWS,), 0.0, jnp.float32)))
+        p = p.astype(k_smem.dtype)
         acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
-        carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
-        m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+        zeros = wgmma(jnp.full((ROWS, bk), 0.0, jnp.float32))
+
+        def step(j, carry, *, masked: bool):
+            m, denom, p, acc = carry
+            slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+            plgpu.barrier_wait(k_bar.at[nslot])
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def scores_ready(s):
+                plgpu.barrier_arrive(k_free.at[nslot])
+                return softmax(mask(s, j + 1) if masked else s, m, denom)
+
+            # The next p stays float32 until p·v is done: a wgmma's register operand must not be
+            # written while one is in flight (ptxas would serialize every wgmma of the kernel).
+            (m, denom, p, alpha), acc = mma_overlapped(
+                q_tile, k_smem.at[nslot], acc, p, v_smem.at[slot], scores_ready, (m, denom, zeros, m), zeros,
+                interpreted=interpreted)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return m, denom, p.astype(k_smem.dtype), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        last_full = jnp.maximum(num_full - 1, 0)  # steps before it compute an unmasked next block
+        carry = lax.fori_loop(0, last_full, functools.partial(step, masked=False), (m, denom, p, acc))
+        m, denom, p, acc = lax.fori_loop(last_full, n - 1, functools.partial(step, masked=True), carry)
+        slot = lax.rem(n - 1, stages)
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        # Both compute warpgroups zero the same rows: they write identical values, so neither can
+        # observe anything but V or zeros after its own writes. Only the last block crosses kv_len.
+        @pl.when(n * bk > kv_len)
+        def _():
+            zero_rows_from(v_smem.at[slot], kv_len - (n - 1) * bk, interpreted=interpreted)
+
+        acc = mma_accumulate(acc, p, v_smem.at[slot], interpreted=interpreted)
+        plgpu.barrier_arrive(v_free.at[slot])
         denom = jnp.where(denom == 0.0, 1.0, denom)
         out = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
         q_tile[...] = out.astype(q_tile.dtype)
