@@ -5,7 +5,8 @@ One program owns 128 query rows of one KV head's group: `heads_per_program` quer
 compute warpgroups take 64 rows each (the wgmma M); a third warpgroup only issues the TMA copies
 of K and V into a ring of `stages` shared-memory buffers. The softmax is online, in base 2, in
 float32, and overlaps the tensor cores: each step issues the next block's q·kᵀ with this block's
-p·v, and computes the next block's softmax while p·v runs. K/V come either from dense arrays or straight from KV pages through the page table.
+p·v, and computes the next block's softmax while p·v runs. K/V come either from dense arrays or
+straight from KV pages through the page table.
 In the block that crosses a row's length, V's rows past it are zeroed in shared memory before
 P·V, so stale page contents (even NaN) never reach the output.
 """
@@ -110,8 +111,8 @@ def online_softmax(s: jax.Array, m: jax.Array, denom: jax.Array, c: float):
     Returns (p, m, denom, alpha): alpha rescales what was accumulated under the old m. The max is
     taken of the raw scores, so p = 2^(s·c - m) is one fused multiply-add per score.
     """
-    if c <= 0:  # a non-positive scale reverses the max: scale first
-        s, c = s * c, 1.0
+    if c <= 0:  # a non-positive scale reverses the max: scale first, keeping masked keys at -inf
+        s, c = jnp.where(s == -jnp.inf, s, s * c), 1.0
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))

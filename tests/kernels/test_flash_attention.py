@@ -82,6 +82,19 @@ class FlashSuite:
         assert np.all(np.isfinite(np.asarray(out, np.float32))), "stale page contents reached the output"
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, dtype)
 
+    @pytest.mark.parametrize("sm_scale", [0.3, -0.2, 0.0])
+    def test_any_sm_scale(self, sm_scale):
+        """The scale is used, and masked keys stay masked whatever its sign (a negative one reverses the max)."""
+        case = ("float32", 64, 1, True)
+        rng = np.random.default_rng(7)
+        t, s = self.q_len(1), 256
+        q = testing.random_normal(rng, (1, t, self.kv_heads, 64), jnp.float32)
+        k, v = (testing.random_normal(rng, (1, s, self.kv_heads, 64), jnp.float32) for _ in range(2))
+        out = flash_attention(q, k, v, causal=True, sm_scale=sm_scale, backend=self.backend, interpret=self.interpret,
+                              block_sizes=self.block_sizes(case))
+        truth = testing.attention_truth(q, k, v, np.full(1, s - t), np.full(1, s), causal=True, sm_scale=sm_scale)
+        assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, "float32")
+
     @property
     def backend_name(self) -> str:
         return self.backend
@@ -99,12 +112,6 @@ class TestReference(FlashSuite):
         with pytest.raises(ValueError, match="q_len=16"):
             flash_attention(jnp.zeros((1, 16, 4, 64)), k, k, causal=True)
 
-    def test_sm_scale_is_used(self):
-        rng = np.random.default_rng(0)
-        q, k, v = (testing.random_normal(rng, (1, 8, 2, 64), jnp.float32) for _ in range(3))
-        out = flash_attention(q, k, v, causal=True, sm_scale=0.3)
-        truth = testing.attention_truth(q, k, v, np.zeros(1, int), np.full(1, 8), causal=True, sm_scale=0.3)
-        assert testing.relative_error(out, truth) < 1e-5
 
 
 class InterpretSuite(FlashSuite):
