@@ -98,9 +98,11 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
 
 
 def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_device: float, ragged: bool = False,
-                 batches: tuple[int, ...] = (1, 8, 32, 128), contexts: tuple[int, ...] = (512, 2048, 8192, 32768)) -> None:
+                 batches: tuple[int, ...] = (1, 8, 32, 128), contexts: tuple[int, ...] = (512, 2048, 8192, 32768),
+                 kv_dtype: str = "bfloat16") -> None:
     """ragged: every slot one token short of the context, so each split's last block is partial (masked).
-    Each shape runs the default tiling (num_splits chosen by `default_splits`) and fixed alternatives."""
+    Each shape runs the default tiling (num_splits chosen by `default_splits`) and fixed alternatives.
+    kv_dtype float8_e4m3fn: 8-bit pages, converted inside the kernel; bytes are counted at their size."""
     heads, kv, hd, ps = 32, 8, 128, 16
     configs = [decode_gpu.BlockSizes(block_k=64, stages=2), decode_gpu.BlockSizes(block_k=64, stages=4),
                decode_gpu.BlockSizes(block_k=128, stages=2), decode_gpu.BlockSizes(block_k=64, stages=3),
@@ -115,12 +117,12 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_dev
             pages = ctx // ps
             num_pages = batch * pages
             ks = jax.random.split(jax.random.PRNGKey(batch * ctx), 3)
-            kp = jax.random.normal(ks[0], (kv, num_pages, ps, hd), jnp.bfloat16)
-            vp = jax.random.normal(ks[1], (kv, num_pages, ps, hd), jnp.bfloat16)
+            kp = jax.random.normal(ks[0], (kv, num_pages, ps, hd), jnp.bfloat16).astype(kv_dtype)
+            vp = jax.random.normal(ks[1], (kv, num_pages, ps, hd), jnp.bfloat16).astype(kv_dtype)
             q = jax.random.normal(ks[2], (batch, heads, hd), jnp.bfloat16)
             table = jnp.asarray(testing.random_page_table(rng, batch, pages, num_pages))
             lengths = jnp.full((batch,), ctx - 1 if ragged else ctx, jnp.int32)
-            nbytes = 2 * batch * ctx * kv * hd * 2
+            nbytes = 2 * batch * ctx * kv * hd * jnp.dtype(kv_dtype).itemsize
             ref_fn = jax.jit(decode_ref.paged_attention)
             small = nbytes <= (4 << 30)
             expect = ref_fn(q, kp, vp, table, lengths) if small else None
@@ -140,7 +142,7 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_dev
                               head_dim=hd, page_size=ps, ragged=ragged,
                               block_k=bs.block_k, stages=bs.stages, num_splits=bs.num_splits or "default",
                               slots_per_program=bs.slots_per_program or "default",
-                              dtype="bfloat16", err_vs_reference=err)
+                              dtype="bfloat16", kv_dtype=kv_dtype, err_vs_reference=err)
                 record(path, "paged_decode", config, "kv_bandwidth", bw / 1e12, "TB/s", "device_copy", copy_bw / 1e12)
                 if best is None or t < best[0]:
                     best = (t, bs, err, config)
@@ -162,7 +164,7 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_dev
             if small:
                 record(path, "paged_decode", config, "time", t * 1e6, "us", "reference", t_ref * 1e6,
                        higher_is_better=False)
-            rows.append(f"decode b={batch:3d} ctx={ctx:5d} best bk={bs.block_k} st={bs.stages} "
+            rows.append(f"decode {kv_dtype} b={batch:3d} ctx={ctx:5d} best bk={bs.block_k} st={bs.stages} "
                         f"splits={bs.num_splits or 'default'} slots={bs.slots_per_program or 'default'} {t * 1e6:8.1f} us "
                         f"{nbytes / t / 1e12:5.2f} TB/s = {nbytes / t / copy_bw:5.1%} of copy; kernel alone "
                         f"{t_kernel * 1e6:8.1f} us = {nbytes / t_kernel / copy_bw_device:5.1%} of the copy kernel  "
@@ -179,15 +181,17 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     parser.add_argument("--seqs", default="2048,4096,8192,16384", help="flash sequence lengths")
     parser.add_argument("--contexts", default="512,2048,8192,32768", help="decode context lengths")
+    parser.add_argument("--kv-dtypes", default="bfloat16", help="decode page dtypes, e.g. bfloat16,float8_e4m3fn")
     args = parser.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
     rows: list[str] = []
     copy_bw, copy_bw_device = copy_bandwidth(), copy_bandwidth_device()
     rows.append(f"device copy {copy_bw / 1e12:.2f} TB/s (read + write); its kernel alone {copy_bw_device / 1e12:.2f} TB/s")
     for name, fn in (("flash", lambda: bench_flash(args.out, rows, args.quick, tuple(map(int, args.seqs.split(","))))),
-                     ("decode", lambda: bench_decode(args.out, rows, args.quick, copy_bw, copy_bw_device, args.ragged,
-                                                          tuple(map(int, args.batches.split(","))),
-                                                          tuple(map(int, args.contexts.split(",")))))):
+                     ("decode", lambda: [bench_decode(args.out, rows, args.quick, copy_bw, copy_bw_device, args.ragged,
+                                                           tuple(map(int, args.batches.split(","))),
+                                                           tuple(map(int, args.contexts.split(","))), kv_dtype)
+                                         for kv_dtype in args.kv_dtypes.split(",")])):
         if args.only in (None, name):
             try:
                 fn()

@@ -75,7 +75,7 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
 
 def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
                   prefill_tokens: int, decode_rows: tuple[int, ...] = (), cache_dir: str | None = None,
-                  memory_fraction: float = 0.0):
+                  memory_fraction: float = 0.0, kv_cache_dtype: str = "auto"):
     """`jaxserve bench`'s engine for the load, one prefill chunk width and the decode row counts the loads will
     use; compilations go to a persistent cache. Slots: as many as free memory holds at their full length or,
     with `memory_fraction`, one per request (up to 256) over the pages the engine sizes from memory
@@ -86,7 +86,7 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
 
     cfg = bench_config(requests, input_len, output_len, max_slots=min(requests, 256), chunk_buckets=(chunk,),
                        prefill_rows=(1, 2, 4, 8), prefill_tokens=prefill_tokens)
-    itemsize = model.weights.final_norm.dtype.itemsize
+    itemsize = 1 if kv_cache_dtype == "float8_e4m3fn" else model.weights.final_norm.dtype.itemsize  # of a KV page
     if memory_fraction:  # every slot wanted; the engine sizes the pages
         slots = cfg.max_slots
     else:
@@ -95,7 +95,7 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
     # (narrower widths only help XLA's attention, which gathers the whole table), and each width is another
     # compile of every decode row count (about 100 s for an 8B bucket).
     return dataclasses.replace(cfg, max_slots=slots, num_pages=slots * cfg.max_pages_per_slot, decode_page_buckets=(),
-                               kv_memory_fraction=memory_fraction,
+                               kv_memory_fraction=memory_fraction, kv_cache_dtype=kv_cache_dtype,
                                prefill_rows=tuple(r for r in cfg.prefill_rows if r <= slots),
                                decode_row_buckets=tuple(sorted({r for r in decode_rows if 0 < r < slots} | {slots})),
                                compilation_cache_dir=cache_dir)
@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--peer-batch", type=int, default=64)
     ap.add_argument("--reserve", type=float, default=0.1,
                     help="share of the device's memory limit left for activations (slots at full length)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float8_e4m3fn"),
+                    help="the KV pages' dtype (float8_e4m3fn: twice the pages in the same memory)")
     ap.add_argument("--kv-memory-fraction", type=float, default=0.0,
                     help="parts 1-2: a slot per request (up to 256) and KV pages sized by the engine from this share "
                          "of device memory (preempting when they run out); 0: slots that fit at full length")
@@ -252,7 +254,7 @@ def main() -> None:
         return engine
 
     def details(r: dict) -> dict:
-        return {**base, "kv_memory_fraction": args.kv_memory_fraction,
+        return {**base, "kv_memory_fraction": args.kv_memory_fraction, "kv_cache_dtype": args.kv_cache_dtype,
                 **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps",
                                              "device_wait_fraction", "decode_step_alone_s") if k in r}}
@@ -262,7 +264,7 @@ def main() -> None:
     if {"offline", "concurrency"} & parts or peer is not None:
         engine = build(engine_config(model, args.requests, args.input_len, args.output_len, args.reserve, args.chunk,
                                      args.prefill_tokens, tuple(concurrency) + (args.peer_requests,), args.cache_dir,
-                                     args.kv_memory_fraction))
+                                     args.kv_memory_fraction, args.kv_cache_dtype))
         runs: dict[int, dict] = {}
 
         def at(requests: int) -> dict:

@@ -57,6 +57,14 @@ def _add_attention_arg(p: argparse.ArgumentParser) -> None:
                         "kernel family by name (mosaic_gpu, mosaic_tpu; interpreted off their platform)")
 
 
+def _add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
+    from jaxserve.config import KV_CACHE_DTYPES
+
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="dtype of the KV pages: the activations' (auto), or float8_e4m3fn (half the bytes: twice the "
+                        "pages in the same memory; single device)")
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """--tp/--sp/--dp and the multi-host flags, for every command that runs a model."""
     g = p.add_argument_group("devices and hosts")
@@ -126,6 +134,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
     engine_cfg = engine_config_for([len(p) for p in prompts], params.max_tokens, attention=args.attention or "auto",
                                    parallel=parallel_from_args(args))
+    if args.kv_cache_dtype:
+        engine_cfg = dataclasses.replace(engine_cfg, kv_cache_dtype=args.kv_cache_dtype)
     if is_follower():
         StepRunner(model, engine_cfg).follow()
         return 0
@@ -196,7 +206,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         raise InputError(f"cannot read --text-file {args.text_file}: {e}") from e
     model = _load(args)
     ids = model.tokenizer.encode(text)
-    result = perplexity(model, ids, context=args.context, stride=args.stride, attention=args.attention or "auto")
+    result = perplexity(model, ids, context=args.context, stride=args.stride, attention=args.attention or "auto",
+                        kv_cache_dtype=args.kv_cache_dtype or "auto")
     if args.json:
         print(json.dumps(result))
     else:
@@ -217,6 +228,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(cfg, **overrides)
     if args.attention is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, attention=args.attention))
+    if args.kv_cache_dtype is not None:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_cache_dtype=args.kv_cache_dtype))
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, parallel=parallel_from_args(args, cfg.engine.parallel)))
     start_distributed(args, cfg.distributed)
     dtype = cfg.dtype or _default_dtype()
@@ -289,6 +302,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        attention=args.attention or "auto", parallel=parallel_from_args(args))
     if args.kv_memory_fraction:
         cfg = dataclasses.replace(cfg, kv_memory_fraction=args.kv_memory_fraction)
+    if args.kv_cache_dtype:
+        cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
     if is_follower():
         from jaxserve.step import StepRunner
 
@@ -318,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="continue one or more prompts")
     _add_model_args(gen)
     _add_attention_arg(gen)
+    _add_kv_cache_arg(gen)
     add_parallel_args(gen)
     sampling(gen)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -342,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl = sub.add_parser("perplexity", help="perplexity over a text file, in sliding windows over the context")
     _add_model_args(ppl)
     _add_attention_arg(ppl)
+    _add_kv_cache_arg(ppl)
     ppl.add_argument("--text-file", required=True, metavar="F", help="UTF-8 text")
     ppl.add_argument("--context", type=int, default=1024, help="tokens per window (default 1024)")
     ppl.add_argument("--stride", type=int, default=512,
@@ -352,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="offline throughput and latency through the engine")
     _add_model_args(bench)
     _add_attention_arg(bench)
+    _add_kv_cache_arg(bench)
     add_parallel_args(bench)
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--input-len", type=int, default=128)
@@ -366,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) until SIGTERM")
     _add_model_args(serve)
     _add_attention_arg(serve)
+    _add_kv_cache_arg(serve)
     add_parallel_args(serve)
     serve.add_argument("--config", default=None, help="ServerConfig YAML, e.g. configs/serve.yaml (default: built-in)")
     serve.add_argument("--host", default=None, help="address to listen on (default from the config: 0.0.0.0)")

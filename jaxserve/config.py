@@ -197,6 +197,7 @@ def _from_mapping(cls: type[T], data: dict[str, Any], where: str) -> T:
 
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "mosaic_gpu", "mosaic_tpu")  # pallas_kernels.backend.BACKENDS
+KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")  # auto: the activations' dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,6 +268,9 @@ class EngineConfig:
     # num_pages becomes however many pages fit in it beside what is already in use (the weights), as vLLM's
     # gpu_memory_utilization. The rest is left for the compiled steps' activations. 0: num_pages as given.
     kv_memory_fraction: float = 0.0
+    # The KV pages' dtype. float8_e4m3fn halves their bytes (twice the pages in the same memory, half the reads
+    # a decode step makes); values are clipped to its range (+-448) when written and upcast when read.
+    kv_cache_dtype: str = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
 
     def __post_init__(self) -> None:
@@ -286,6 +290,11 @@ class EngineConfig:
             raise JaxserveError(f"prefill_rows must be strictly increasing and start at 1, got {self.prefill_rows}")
         if self.prefill_tokens < 0:
             raise JaxserveError(f"prefill_tokens must be >= 0 (0: the largest chunk), got {self.prefill_tokens}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise JaxserveError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.parallel.num_devices > 1:
+            raise JaxserveError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on one device; the sharded attention "
+                                f"(tp/sp over {self.parallel.num_devices} devices) takes kv_cache_dtype='auto'")
         if not 0.0 <= self.kv_memory_fraction < 1.0:
             raise JaxserveError(f"kv_memory_fraction must be in [0, 1) (0: use num_pages), got {self.kv_memory_fraction}")
         if self.num_pages < self.max_pages_per_slot:

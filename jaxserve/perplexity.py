@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel
+from jaxserve.config import KV_CACHE_DTYPES
 from jaxserve.errors import InputError
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.transformer import forward
@@ -37,8 +38,9 @@ def window_spans(num_tokens: int, context: int, stride: int) -> list[tuple[int, 
 
 
 def perplexity(model: LoadedModel, token_ids: list[int], *, context: int = 1024, stride: int = 512,
-               attention: str = "auto") -> dict[str, Any]:
-    """exp(mean negative log-likelihood) of every token after the first, and how many were scored."""
+               attention: str = "auto", kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    """exp(mean negative log-likelihood) of every token after the first, and how many were scored.
+    `kv_cache_dtype` as the engine's (EngineConfig): float8_e4m3fn measures what 8-bit K/V pages cost."""
     if context < 2 or not 0 < stride <= context:
         raise InputError(f"need context >= 2 and 0 < stride <= context, got context={context} stride={stride}")
     if context > model.config.max_position_embeddings:
@@ -47,7 +49,9 @@ def perplexity(model: LoadedModel, token_ids: list[int], *, context: int = 1024,
         raise InputError(f"the text has {len(token_ids)} tokens; perplexity needs at least 2")
     width = -(-min(context, len(token_ids)) // PAGE_SIZE) * PAGE_SIZE
     pages = width // PAGE_SIZE
-    dtype = model.weights.final_norm.dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    dtype = model.weights.final_norm.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
 
     @jax.jit
     def window_nll(weights: Any, tokens: jax.Array, length: jax.Array) -> jax.Array:

@@ -151,11 +151,12 @@ class StepRunner:
     On one device none of that exists and the step is exactly the single-device one.
     """
 
-    def __init__(self, model: LoadedModel, cfg: EngineConfig, *, cache_dtype: Any = None) -> None:
+    def __init__(self, model: LoadedModel, cfg: EngineConfig) -> None:
         self.model_cfg = model.config
         self.cfg = cfg
         self.weights = model.weights
-        dtype = cache_dtype or model.weights.final_norm.dtype  # the activations' dtype (some weights may be int8)
+        # auto: the activations' dtype (some weights may be int8)
+        dtype = model.weights.final_norm.dtype if cfg.kv_cache_dtype == "auto" else jnp.dtype(cfg.kv_cache_dtype)
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

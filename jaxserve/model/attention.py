@@ -23,6 +23,15 @@ FLASH_BLOCK_Q = 128  # the flash kernels tile queries by 128 positions; shorter 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
+def to_pages(x: jax.Array, dtype) -> jax.Array:
+    """x in the pages' dtype; for 8-bit floats clipped to their range first (float8_e4m3fn has no inf: an
+    out-of-range value would become NaN)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x, -top, top)
+    return x.astype(dtype)
+
+
 def write_pages(k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, pages: jax.Array,
                 offsets: jax.Array, *, in_bounds: bool = False) -> tuple[jax.Array, jax.Array]:
     """Writes k, v [b, t, kv_heads, hd] at (pages, offsets) [b, t]; a page id past the pool drops the token,
@@ -34,11 +43,11 @@ def write_pages(k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         # One token (decode at batch 1): an update in place. XLA makes a one-index scatter that, with a
         # bounds check and a select that reads the old value, which keeps it from fusing with its producer.
         at = (0, pages[0], offsets[0], 0)
-        return (jax.lax.dynamic_update_slice(k_pages, k[:, :, None].astype(k_pages.dtype), at),
-                jax.lax.dynamic_update_slice(v_pages, v[:, :, None].astype(v_pages.dtype), at))
+        return (jax.lax.dynamic_update_slice(k_pages, to_pages(k[:, :, None], k_pages.dtype), at),
+                jax.lax.dynamic_update_slice(v_pages, to_pages(v[:, :, None], v_pages.dtype), at))
     mode = "promise_in_bounds" if in_bounds else "drop"
-    return (k_pages.at[:, pages, offsets].set(k.astype(k_pages.dtype), mode=mode),
-            v_pages.at[:, pages, offsets].set(v.astype(v_pages.dtype), mode=mode))
+    return (k_pages.at[:, pages, offsets].set(to_pages(k, k_pages.dtype), mode=mode),
+            v_pages.at[:, pages, offsets].set(to_pages(v, v_pages.dtype), mode=mode))
 
 
 def update_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -119,6 +119,18 @@ def online_softmax(s: jax.Array, m: jax.Array, denom: jax.Array, c: float):
     return p, m_new, denom * alpha + jnp.sum(p, axis=1), alpha
 
 
+def converted(tile: Any, stage: Any, free: Any, *, interpreted: bool) -> Any:
+    """An 8-bit tile of the K/V ring as a tensor-core operand: converted into `stage` (float16, tiled and
+    swizzled like a 16-bit ring tile), with the ring slot handed back at once through `free`."""
+    x = tile[...]
+    if not interpreted:  # 32-bit shared-memory reads of 4 values each, then one shuffle to the wgmma layout
+        x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X)
+    stage[...] = with_layout(x.astype(stage.dtype), plgpu.Layout.WGMMA, interpreted=interpreted)
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(free)
+    return stage
+
+
 def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> None:
     """Zeroes rows `first`.. of a [block_k, hd] SMEM tile of V and makes the writes visible to wgmma.
 
@@ -134,12 +146,15 @@ def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> Non
     plgpu.commit_smem()
 
 
-def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
-            q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
-            *, paged: bool, causal: bool, scale: float, group: int, bs: BlockSizes, num_qt: int,
+def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_smem, k_smem, v_smem, *refs,
+            paged: bool, causal: bool, scale: float, group: int, bs: BlockSizes, num_qt: int, staged: bool,
             interpreted: bool):
     # q_ref: [b, q_len, heads, hd]; k_ref, v_ref: [b, kv_len, kv_heads, hd] or [pages, kv_heads, ps, hd]
     # table_ref: [b, pages_per_row]; q_start_ref, kv_len_ref: [b]; o_ref like q_ref
+    # With 8-bit pages (`staged`) each compute warpgroup converts the ring's tiles into its own k_stage and
+    # v_stage, the tensor-core operands, and hands each ring slot back as soon as it is converted.
+    k_stage, v_stage, *refs = refs if staged else (None, None, *refs)
+    q_bar, k_bar, v_bar, k_free, v_free = refs
     bk, stages, block_q, hpp = bs.block_k, bs.stages, bs.block_q, bs.heads_per_program
     b = lax.axis_index("b")
     kvh = lax.axis_index("kvh")
@@ -232,15 +247,22 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
             p, m, denom, alpha = online_softmax(s, m, denom, scale * _LOG2E)
             return m, denom, p, alpha
 
+        def operand(ring, stage, free):
+            return converted(ring, stage.at[wg], free, interpreted=interpreted) if staged else ring
+
+        def release(free):  # a staged slot was handed back when it was converted
+            if not staged:
+                plgpu.barrier_arrive(free)
+
         # Block 0's scores, then for each next block: its q·kᵀ and this block's p·v go to the tensor
         # cores together, and the next block's softmax runs while p·v is still in flight.
         plgpu.barrier_wait(k_bar.at[0])
-        s0 = mask(mma_transposed(q_tile, k_smem.at[0], interpreted=interpreted), 0)
-        plgpu.barrier_arrive(k_free.at[0])
+        s0 = mask(mma_transposed(q_tile, operand(k_smem.at[0], k_stage, k_free.at[0]), interpreted=interpreted), 0)
+        release(k_free.at[0])
         hd = q_smem.shape[-1]
         m, denom, p, _ = softmax(s0, row_vec(jnp.full((ROWS,), _NEG, jnp.float32)),
                                  row_vec(jnp.full((ROWS,), 0.0, jnp.float32)))
-        p = p.astype(k_smem.dtype)
+        p = p.astype(q_smem.dtype)
         acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
         zeros = wgmma(jnp.full((ROWS, bk), 0.0, jnp.float32))
 
@@ -248,34 +270,36 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref,
             m, denom, p, acc = carry
             slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
             plgpu.barrier_wait(k_bar.at[nslot])
+            k_tile = operand(k_smem.at[nslot], k_stage, k_free.at[nslot])
             plgpu.barrier_wait(v_bar.at[slot])
+            v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
 
             def scores_ready(s):
-                plgpu.barrier_arrive(k_free.at[nslot])
+                release(k_free.at[nslot])
                 return softmax(mask(s, j + 1) if masked else s, m, denom)
 
             # The next p stays float32 until p·v is done: a wgmma's register operand must not be
             # written while one is in flight (ptxas would serialize every wgmma of the kernel).
             (m, denom, p, alpha), acc = mma_overlapped(
-                q_tile, k_smem.at[nslot], acc, p, v_smem.at[slot], scores_ready, (m, denom, zeros, m), zeros,
-                interpreted=interpreted)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return m, denom, p.astype(k_smem.dtype), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                q_tile, k_tile, acc, p, v_tile, scores_ready, (m, denom, zeros, m), zeros, interpreted=interpreted)
+            release(v_free.at[slot])
+            return m, denom, p.astype(q_smem.dtype), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
         last_full = jnp.maximum(num_full - 1, 0)  # steps before it compute an unmasked next block
         carry = lax.fori_loop(0, last_full, functools.partial(step, masked=False), (m, denom, p, acc))
         m, denom, p, acc = lax.fori_loop(last_full, n - 1, functools.partial(step, masked=True), carry)
         slot = lax.rem(n - 1, stages)
         plgpu.barrier_wait(v_bar.at[slot])
+        v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
 
-        # Both compute warpgroups zero the same rows: they write identical values, so neither can
-        # observe anything but V or zeros after its own writes. Only the last block crosses kv_len.
+        # Unstaged, both compute warpgroups zero the same rows: they write identical values, so neither
+        # can observe anything but V or zeros after its own writes. Only the last block crosses kv_len.
         @pl.when(n * bk > kv_len)
         def _():
-            zero_rows_from(v_smem.at[slot], kv_len - (n - 1) * bk, interpreted=interpreted)
+            zero_rows_from(v_tile, kv_len - (n - 1) * bk, interpreted=interpreted)
 
-        acc = mma_accumulate(acc, p, v_smem.at[slot], interpreted=interpreted)
-        plgpu.barrier_arrive(v_free.at[slot])
+        acc = mma_accumulate(acc, p, v_tile, interpreted=interpreted)
+        release(v_free.at[slot])
         denom = jnp.where(denom == 0.0, 1.0, denom)
         out = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
         q_tile[...] = out.astype(q_tile.dtype)
@@ -304,8 +328,13 @@ def _check(q, k_shape, bs: BlockSizes, kv_len_name: str):
 
 def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, bs: BlockSizes, interpret):
     b, t, h, hd, kv, group = _check(q, k.shape, bs, "pages" if paged else "dense")
-    dtype = mosaic_dtype(q.dtype)
-    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    staged = paged and jnp.dtype(k.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if staged != (paged and jnp.dtype(v.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(f"k_pages ({k.dtype}) and v_pages ({v.dtype}) must both be float8_e4m3fn or neither")
+    # float8 pages are converted to float16 inside the kernel (float8 -> bfloat16 needs a newer PTX ISA).
+    dtype = jnp.dtype(jnp.float16) if staged else mosaic_dtype(q.dtype)
+    kv_dtype = k.dtype if staged else dtype
+    q, k, v = q.astype(dtype), k.astype(kv_dtype), v.astype(kv_dtype)
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     num_qt = t // bs.block_q
     nseg = ROWS // min(ROWS, bs.block_q)
@@ -320,12 +349,13 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, paged=paged, causal=causal, scale=scale, group=group, bs=bs, num_qt=num_qt,
-                          interpreted=params is not None),
+                          staged=staged, interpreted=params is not None),
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=(
             plgpu.SMEM((COMPUTE_WGS, ROWS, hd), dtype, transforms=tr),
-            plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
-            plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
+            plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=mma_transforms(kv_dtype)),
+            plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=mma_transforms(kv_dtype)),
+            *((plgpu.SMEM((COMPUTE_WGS, bs.block_k, hd), dtype, transforms=tr),) * (2 if staged else 0)),
             plgpu.Barrier(num_arrivals=nseg, num_barriers=COMPUTE_WGS),
             plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),
             plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),

@@ -43,6 +43,9 @@ def sublanes(dtype: Any) -> int:
 
 def check_pages(page_size: int, block_k: int, dtype: Any) -> None:
     """Page copies land on whole VMEM tiles: page_size and block_k tile by the sublanes and divide one another."""
+    if jnp.dtype(dtype).itemsize < 2:
+        raise ValueError(f"{jnp.dtype(dtype).name} K/V pages are not supported by the Mosaic TPU kernels "
+                         "(8-bit pages need the Mosaic GPU or the reference backend)")
     tile = sublanes(dtype)
     if page_size % tile or block_k % tile:
         raise ValueError(f"page_size={page_size} and block_k={block_k} must be multiples of {tile} for "

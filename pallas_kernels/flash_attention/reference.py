@@ -82,6 +82,7 @@ def paged_flash_attention(
     del block_sizes, interpret
     b = q.shape[0]
     kv, _, ps, hd = k_pages.shape
-    k = k_pages[:, page_table].transpose(1, 2, 3, 0, 4).reshape(b, -1, kv, hd)
-    v = v_pages[:, page_table].transpose(1, 2, 3, 0, 4).reshape(b, -1, kv, hd)
+    # float8 pages are upcast to the queries' dtype as they are gathered
+    k = k_pages[:, page_table].transpose(1, 2, 3, 0, 4).reshape(b, -1, kv, hd).astype(q.dtype)
+    v = v_pages[:, page_table].transpose(1, 2, 3, 0, 4).reshape(b, -1, kv, hd).astype(q.dtype)
     return attend(q, k, v, q_start, kv_lengths, causal=causal, sm_scale=sm_scale)

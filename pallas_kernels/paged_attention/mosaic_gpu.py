@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import backend as backend_lib
 from pallas_kernels.flash_attention.mosaic_gpu import (
     ROWS,
+    converted,
     mma_accumulate,
     mma_transforms,
     mma_transposed,
@@ -82,15 +83,18 @@ def split_layout(batch: int, kv_heads: int, max_len: int, bs: BlockSizes) -> tup
 SMEM_BYTES = 227 * 1024  # shared memory one H100 block may use
 
 
-def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool = False) -> int:
+def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool = False, kv_itemsize: int = 0) -> int:
     """Shared memory of one program: its query and output tiles per slot (float32 output for split partials),
-    and the K/V ring."""
+    the K/V ring, and with 8-bit pages (`kv_itemsize` 1) one K and one V tile converted for the tensor cores."""
     out_itemsize = 4 if partial else itemsize
-    return slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * itemsize
+    kv_itemsize = kv_itemsize or itemsize
+    staged = 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
+    return slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * kv_itemsize + staged
 
 
-def default_slots(batch: int, kv_heads: int, splits: int, hd: int, bs: BlockSizes, itemsize: int) -> int:
-    fits = smem_bytes(2, hd, bs, itemsize) <= SMEM_BYTES
+def default_slots(batch: int, kv_heads: int, splits: int, hd: int, bs: BlockSizes, itemsize: int,
+                  kv_itemsize: int = 0) -> int:
+    fits = smem_bytes(2, hd, bs, itemsize, kv_itemsize=kv_itemsize) <= SMEM_BYTES
     return 2 if fits and splits == 1 and -(-batch // 2) * kv_heads >= NUM_SMS * 15 // 16 else 1
 
 
@@ -108,16 +112,20 @@ def first_row(start, total: int, rows: int, xp=jnp):
 
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
-            split_len: int, slots: int, bs: BlockSizes, partial: bool, interpreted: bool):
+            split_len: int, slots: int, bs: BlockSizes, partial: bool, staged: bool, interpreted: bool):
     # q_ref: [n >= b * heads, hd] the queries, head-major per slot (n a multiple of 8)
     # k_ref, v_ref: [kv_heads, pages, ps, hd]; table_ref: [b, pages_per_row]; len_ref: [b]
     # outputs: o [n, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32)
     # rows: query_rows(group); row `offset + r` of a q tile holds query head kvh * group + r for r < group
     # slots: consecutive batch slots this program runs one after another, its K/V ring streaming across them
-    if partial:
-        o_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
-    else:
-        o_ref, q_smem, k_smem, v_smem, o_smem, q_bar, k_bar, v_bar, k_free, v_free = refs
+    # 8-bit pages land in the ring as they are; the compute warpgroup converts each tile into k_stage or
+    # v_stage (the tensor-core operands), then hands the ring slot back.
+    o_ref, *refs = refs
+    lse_ref, *refs = refs if partial else (None, *refs)
+    q_smem, k_smem, v_smem, o_smem, *refs = refs
+    lse_smem, *refs = refs if partial else (None, *refs)
+    k_stage, v_stage, *refs = refs if staged else (None, None, *refs)
+    q_bar, k_bar, v_bar, k_free, v_free = refs
     assert slots == 1 or not partial, "split partials have no past-the-batch guard: one slot per program"
     bk, stages = bs.block_k, bs.stages
     kv_heads, batch = k_ref.shape[0], len_ref.shape[0]
@@ -193,6 +201,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         col = wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
         hd = q_smem.shape[-1]
         count = jnp.int32(0)
+
+        def operand(tile, stage, free):
+            return converted(tile, stage, free, interpreted=interpreted) if staged else tile
+
         for i in range(slots):
             b, length, num_blocks, num_full = slot_of(i)
             start, offset = offsets[i]
@@ -204,10 +216,13 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 slot = lax.rem(base + j, stages)
                 if masked:  # the block crossing the slot's length: V past it may be stale NaN
                     plgpu.barrier_wait(v_bar.at[slot])
-                    zero_rows_from(v_smem.at[slot], length - begin - j * bk, interpreted=interpreted)
+                    v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
+                    zero_rows_from(v_tile, length - begin - j * bk, interpreted=interpreted)
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = mma_transposed(q_tile, k_smem.at[slot], interpreted=interpreted) * (scale * _LOG2E)
-                plgpu.barrier_arrive(k_free.at[slot])
+                s = mma_transposed(q_tile, operand(k_smem.at[slot], k_stage, k_free.at[slot]),
+                                   interpreted=interpreted) * (scale * _LOG2E)
+                if not staged:
+                    plgpu.barrier_arrive(k_free.at[slot])
                 if masked:
                     s = jnp.where(begin + j * bk + col < length, s, -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -217,8 +232,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if not masked:
                     plgpu.barrier_wait(v_bar.at[slot])
-                acc = mma_accumulate(acc, p.astype(k_smem.dtype), v_smem.at[slot], interpreted=interpreted)
-                plgpu.barrier_arrive(v_free.at[slot])
+                    v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
+                acc = mma_accumulate(acc, p.astype(q_smem.dtype), v_tile, interpreted=interpreted)
+                if not staged:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return m_new, denom, acc
 
             m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
@@ -260,13 +277,19 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         raise ValueError(f"page_size={ps} and block_k={bs.block_k} must divide one another (and page_size % 8 == 0)")
     if bs.block_k % 64:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
-    dtype = mosaic_dtype(q.dtype)
+    staged = jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if staged != (jnp.dtype(v_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
+        raise ValueError(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must both be float8_e4m3fn or neither")
+    # float8 pages are converted to float16 inside the kernel (float8 -> bfloat16 needs a newer PTX ISA).
+    dtype = jnp.dtype(jnp.float16) if staged else mosaic_dtype(q.dtype)
+    kv_dtype = k_pages.dtype if staged else dtype
+    itemsize, kv_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     max_len = pages_per_row * ps
     splits, split_len = split_layout(b, kv, max_len, bs)
-    slots = bs.slots_per_program or default_slots(b, kv, splits, hd, bs, jnp.dtype(dtype).itemsize)
+    slots = bs.slots_per_program or default_slots(b, kv, splits, hd, bs, itemsize, kv_itemsize)
     if slots not in (1, 2) or (slots > 1 and splits > 1):
         raise ValueError(f"slots_per_program={slots} must be 1 or 2, and 1 when the sequence is split ({splits=})")
-    need = smem_bytes(slots, hd, bs, jnp.dtype(dtype).itemsize, partial=splits > 1)
+    need = smem_bytes(slots, hd, bs, itemsize, partial=splits > 1, kv_itemsize=kv_itemsize)
     if need > SMEM_BYTES:
         raise ValueError(f"slots_per_program={slots}, stages={bs.stages} and block_k={bs.block_k} at head_dim={hd} "
                          f"need {need} bytes of shared memory, more than {SMEM_BYTES}")
@@ -285,10 +308,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
     )
+    kv_tr = mma_transforms(kv_dtype)
     smem = (
         plgpu.SMEM((slots, ROWS, hd), dtype, transforms=tr),
-        plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
-        plgpu.SMEM((bs.stages, bs.block_k, hd), dtype, transforms=tr),
+        plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=kv_tr),
+        plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=kv_tr),
         plgpu.SMEM((slots, ROWS, hd), jnp.float32 if partial else dtype),
     )
     if partial:
@@ -297,10 +321,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         smem = (*smem, plgpu.SMEM((ROWS,), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct((n_rows, hd), dtype)
+    if staged:
+        smem = (*smem, *(plgpu.SMEM((bs.block_k, hd), dtype, transforms=tr) for _ in range(2)))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, slots=slots, bs=bs,
-                          partial=partial, interpreted=params is not None),
+                          partial=partial, staged=staged, interpreted=params is not None),
         out_type=out_type,
         scratch_types=(*smem, *barriers),
         grid=(-(-b // slots), kv, splits),
@@ -310,7 +336,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params,
     )
-    k_pages, v_pages = k_pages.astype(dtype), v_pages.astype(dtype)
+    k_pages, v_pages = k_pages.astype(kv_dtype), v_pages.astype(kv_dtype)
     out = kernel(q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
     if not partial:
         out = out if n_rows == b * h else out[:b * h]

@@ -71,8 +71,9 @@ def paged_attention_reference(
     q = q.reshape(b, t, kv, groups, hd)
     out = []
     for head in range(kv):
-        k = k_pages[head][page_table].reshape(b, keys, hd)
-        v = jnp.where(written, v_pages[head][page_table].reshape(b, keys, hd), jnp.zeros((), v_pages.dtype))
+        k = k_pages[head][page_table].reshape(b, keys, hd).astype(q.dtype)  # float8 pages: upcast as gathered
+        v = v_pages[head][page_table].reshape(b, keys, hd).astype(q.dtype)
+        v = jnp.where(written, v, jnp.zeros((), v.dtype))
         qh = q[:, :, head].reshape(b, t * groups, hd)
         scores = jnp.einsum("bqd,bsd->bqs", qh, k, preferred_element_type=jnp.float32) * scale
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v.dtype)

@@ -26,6 +26,7 @@ class FlashSuite:
     batch = 2
     CASES = FULL
     NAN_CASES = FULL
+    FLOAT8 = True  # the backend reads float8_e4m3fn pages
 
     def block_sizes(self, case):
         return None
@@ -55,7 +56,17 @@ class FlashSuite:
         """NaN in the slots past each row's length, in unused pages and behind unused table entries."""
         self.check_paged_chunk(nan_case, stale_nan=True)
 
-    def check_paged_chunk(self, case, *, stale_nan: bool):
+    @pytest.mark.parametrize("causal", [True, False])
+    def test_float8_pages(self, causal):
+        """A chunk over float8_e4m3fn pages, stale NaN past the lengths, against the truth on the same values."""
+        case = ("bfloat16", 128, 4, causal)
+        if self.FLOAT8:
+            self.check_paged_chunk(case, stale_nan=True, kv_dtype=jnp.float8_e4m3fn)
+            return
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            self.check_paged_chunk(case, stale_nan=False, kv_dtype=jnp.float8_e4m3fn)
+
+    def check_paged_chunk(self, case, *, stale_nan: bool, kv_dtype=None):
         dtype, hd, group, causal = case
         rng = np.random.default_rng(hash(case) % 2**32 + 1)
         t = self.q_len(group)
@@ -72,6 +83,8 @@ class FlashSuite:
             kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths)
             vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths)
             kp, vp = jnp.asarray(kp, DTYPES[dtype]), jnp.asarray(vp, DTYPES[dtype])
+        if kv_dtype is not None:
+            kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_flash_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(q_start), jnp.asarray(lengths),
                                     causal=causal, backend=self.backend, interpret=self.interpret,
                                     block_sizes=self.block_sizes(case))
@@ -138,6 +151,7 @@ class TestMosaicGPUInterpret(InterpretSuite):
 
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
+    FLOAT8 = False
 
     def block_sizes(self, case):
         """Several K/V blocks per row, so the double buffering runs; float32 takes half pages."""

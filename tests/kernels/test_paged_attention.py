@@ -24,6 +24,7 @@ class DecodeSuite:
     pages_per_row = 24
     CASES = [(d, hd, g, s) for d, hd, g, s in itertools.product(DTYPES, (64, 128), (1, 2, 4, 8), (1, 3))]
     NAN_CASES = CASES
+    FLOAT8 = True  # the backend reads float8_e4m3fn pages
 
     def block_sizes(self, case):
         return None
@@ -36,7 +37,17 @@ class DecodeSuite:
         """NaN in the slots past each slot's length, in unused pages and behind unused table entries."""
         self.check_ragged_slots(nan_case, stale_nan=True)
 
-    def check_ragged_slots(self, case, *, stale_nan: bool):
+    @pytest.mark.parametrize("splits", [1, 2])
+    def test_float8_pages(self, splits):
+        """float8_e4m3fn pages, stale NaN past the lengths, against the truth on the same float8 values."""
+        case = ("bfloat16", 128, 4, splits)
+        if self.FLOAT8:
+            self.check_ragged_slots(case, stale_nan=True, kv_dtype=jnp.float8_e4m3fn)
+            return
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            self.check_ragged_slots(case, stale_nan=False, kv_dtype=jnp.float8_e4m3fn)
+
+    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None):
         dtype, hd, group, splits = case
         rng = np.random.default_rng(hash(case) % 2**32)
         full = self.pages_per_row * PAGE_SIZE
@@ -51,6 +62,8 @@ class DecodeSuite:
             kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths)
             vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths)
             kp, vp = jnp.asarray(kp, DTYPES[dtype]), jnp.asarray(vp, DTYPES[dtype])
+        if kv_dtype is not None:
+            kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(lengths), backend=self.backend,
                               interpret=self.interpret, block_sizes=self.block_sizes(case))
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
@@ -145,6 +158,7 @@ class TestMosaicGPUInterpret(InterpretSuite):
 
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
+    FLOAT8 = False
 
     def block_sizes(self, case):
         """Several K/V blocks per split, so the double buffering runs; float32 takes half pages."""
