@@ -4,8 +4,8 @@ scheduling or memory change can buy before a GPU run measures it.
 
 The model: a decode dispatch costs the larger of streaming the weights and the rows' matmul FLOPs, plus its rows'
 K/V bytes at the copy bandwidth, plus a fixed 1.2 ms of small kernels; a prefill dispatch costs its tokens' matmul
-FLOPs. With the defaults it gives 24.8 ms for the 256-row step at 1,500 tokens (measured alone: 24.5 ms) and 49 ms
-for a 2,048-token prefill (measured: 50 ms). The null runner samples token 5 for every row.
+FLOPs. With the defaults it gives 24.8 ms for the 256-row step at 1,500 tokens (measured alone: 24.5 ms) and 47 ms
+for a 2,048-token prefill (measured for 2,000 tokens: 50 ms). The null runner samples token 5 for every row.
 
     .venv/bin/python benchmarks/offline_model.py [--num-pages 26621] [--kv-bytes 131072] [--chunk 512]
         [--prefill-tokens 2048]
@@ -35,6 +35,7 @@ def replay(num_pages: int, chunk: int, prefill_tokens: int, requests: int = 256,
     """[(rows, width, valid rows, summed context of the valid rows)] per dispatch, and the engine's stats."""
     from jaxserve.bench import bench_config
     from jaxserve.checkpoint.random_model import preset, synthetic_tokenizer
+    from jaxserve.config import SamplingParams
     from jaxserve.engine.batch import NUM_TOP, StepOutput
     from jaxserve.engine.engine import Engine
 
@@ -48,8 +49,6 @@ def replay(num_pages: int, chunk: int, prefill_tokens: int, requests: int = 256,
             packed = np.zeros((rows, 2 + 2 * NUM_TOP), np.float32)
             packed[:, 0], packed[:, 1] = 5, -1.0
             return lambda: StepOutput.unpack(packed)
-
-    from jaxserve.config import SamplingParams
 
     mc = preset("random:llama3-8b")
     cfg = bench_config(requests, input_len, output_len, max_slots=slots, chunk_buckets=(chunk,),
