@@ -29,14 +29,14 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kv_fp8_cpu.jsonl")
     args = ap.parse_args()
 
-    from jaxserve.checkpoint import load_model
+    from jaxserve.checkpoint import embedded_model_path, load_model
     from jaxserve.config import SamplingParams
-    from jaxserve.checkpoint import embedded_model_path
     from jaxserve.perplexity import perplexity
     from jaxserve.step import build_engine, engine_config_for
 
     model = load_model(embedded_model_path(), dtype="float32")
-    ids = model.tokenizer.encode(open(TEXT, encoding="utf-8").read())
+    with open(TEXT, encoding="utf-8") as f:
+        ids = model.tokenizer.encode(f.read())
     ppl = {d: perplexity(model, ids, context=args.context, stride=args.stride, attention="reference",
                          kv_cache_dtype=d)["perplexity"] for d in ("auto", "float8_e4m3fn")}
     config = dict(model="SmolLM2-135M-Instruct", activations="float32", context=args.context, stride=args.stride,

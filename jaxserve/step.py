@@ -157,6 +157,13 @@ class StepRunner:
         self.weights = model.weights
         # auto: the activations' dtype (some weights may be int8)
         dtype = model.weights.final_norm.dtype if cfg.kv_cache_dtype == "auto" else jnp.dtype(cfg.kv_cache_dtype)
+        if cfg.kv_cache_dtype != "auto":
+            backend = backend_lib.resolve(cfg.attention)
+            if backend == "mosaic_tpu" or (backend == "mosaic_gpu" and model.config.head_dim % 128):
+                raise JaxserveError(
+                    f"kv_cache_dtype={cfg.kv_cache_dtype!r} with attention={cfg.attention!r} ({backend}) needs the "
+                    f"Mosaic GPU kernels and head_dim a multiple of 128 (this model: {model.config.head_dim}), or "
+                    f"attention='reference'")
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

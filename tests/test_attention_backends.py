@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.errors import JaxserveError
 from jaxserve.step import build_engine
 from tests.tiny_models import hf_tiny, write_gguf
 
@@ -16,9 +17,10 @@ from tests.tiny_models import hf_tiny, write_gguf
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64, 1, 2, 3, 4, 5], [200, 201, 202]]
 
 
-def generate(model, attention: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def generate(model, attention: str, prompts: list[list[int]], max_tokens: int,
+             kv_cache_dtype: str = "auto") -> list[list[int]]:
     cfg = EngineConfig(max_slots=len(prompts), page_size=16, num_pages=4 * len(prompts), max_pages_per_slot=4,
-                       chunk_buckets=(16,), attention=attention)
+                       chunk_buckets=(16,), attention=attention, kv_cache_dtype=kv_cache_dtype)
     engine = build_engine(model, cfg)
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
     return [r.output_ids for r in engine.generate(prompts, params)]
@@ -42,6 +44,24 @@ def xla_tokens(tiny):
 @pytest.mark.slow
 def test_pallas_kernels_in_interpret_mode_generate_what_xla_generates(tiny, xla_tokens):
     assert generate(tiny, "pallas", PROMPTS, 4) == xla_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny128(tmp_path_factory):
+    """head_dim 128: the Mosaic GPU kernels' float8 pages need 128-byte rows."""
+    path = str(tmp_path_factory.mktemp("tiny128") / "tiny.gguf")
+    write_gguf(path, hf_tiny("llama", hidden_size=256, num_attention_heads=2, num_key_value_heads=1))
+    return load_model(path, dtype="float32")
+
+
+@pytest.mark.slow
+def test_float8_pages_through_the_kernels_in_interpret_mode_generate_what_xla_generates(tiny128, tiny):
+    """The engine's float8 pages reach the Mosaic GPU kernels (prefill over pages, decode) as XLA reads them;
+    a head_dim they cannot take is refused by name."""
+    fp8 = "float8_e4m3fn"
+    assert generate(tiny128, "mosaic_gpu", PROMPTS, 4, fp8) == generate(tiny128, "reference", PROMPTS, 4, fp8)
+    with pytest.raises(JaxserveError, match=r"needs the Mosaic GPU kernels and head_dim a multiple of 128 \(this model: 64\)"):
+        generate(tiny, "mosaic_gpu", PROMPTS, 4, fp8)
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ fast; those that check text run the embedded model.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 
 from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.errors import JaxserveError
 from jaxserve.model.weights import random_weights
 from jaxserve.step import build_engine, compilation_count
 
@@ -198,7 +200,6 @@ def test_no_step_branches_on_a_device_value(small):
 def test_kv_pages_sized_from_device_memory():
     """kv_memory_fraction: the pages that fit in that share of every device's limit beside what is in use, in
     multiples of the sequence axis, less the padding page; too few for one slot is an error naming the figures."""
-    from jaxserve.errors import JaxserveError
     from jaxserve.step import pages_in_memory
 
     gib = 2**30
@@ -221,10 +222,13 @@ def test_float8_kv_cache_answers_paris(smollm):
     prompt = smollm.tokenizer.encode("The capital of France is")
     out = engine.generate([prompt, prompt[:3]], [SamplingParams(max_tokens=4)] * 2)[0]
     assert out.text.startswith(" Paris")
+    # The Mosaic GPU kernels read 8-bit pages in 128-byte rows; SmolLM2's heads are 64 wide.
+    with pytest.raises(JaxserveError, match=r"kv_cache_dtype='float8_e4m3fn' with attention='pallas' \(mosaic_gpu\) "
+                                            r"needs .* head_dim a multiple of 128 \(this model: 64\)"):
+        build_engine(smollm, dataclasses.replace(cfg, attention="pallas"))
 
 
 def test_kv_memory_fraction_needs_a_device_that_reports_memory(small):
-    from jaxserve.errors import JaxserveError
     from jaxserve.step import StepRunner
 
     cfg = EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4, chunk_buckets=(16,),

@@ -331,6 +331,9 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
     staged = paged and jnp.dtype(k.dtype) == jnp.dtype(jnp.float8_e4m3fn)
     if staged != (paged and jnp.dtype(v.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
         raise ValueError(f"k_pages ({k.dtype}) and v_pages ({v.dtype}) must both be float8_e4m3fn or neither")
+    if staged and hd % 128:
+        raise ValueError(f"float8_e4m3fn pages need head_dim a multiple of 128 on Mosaic GPU (a 128-byte swizzled "
+                         f"row), got head_dim={hd}; use backend='reference' for this model")
     # float8 pages are converted to float16 inside the kernel (float8 -> bfloat16 needs a newer PTX ISA).
     dtype = jnp.dtype(jnp.float16) if staged else mosaic_dtype(q.dtype)
     kv_dtype = k.dtype if staged else dtype

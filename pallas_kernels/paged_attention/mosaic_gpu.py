@@ -280,6 +280,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     staged = jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)
     if staged != (jnp.dtype(v_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
         raise ValueError(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must both be float8_e4m3fn or neither")
+    if staged and hd % 128:
+        raise ValueError(f"float8_e4m3fn pages need head_dim a multiple of 128 on Mosaic GPU (a 128-byte swizzled "
+                         f"row), got head_dim={hd}; use backend='reference' for this model")
     # float8 pages are converted to float16 inside the kernel (float8 -> bfloat16 needs a newer PTX ISA).
     dtype = jnp.dtype(jnp.float16) if staged else mosaic_dtype(q.dtype)
     kv_dtype = k_pages.dtype if staged else dtype
