@@ -83,10 +83,11 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
     import dataclasses
 
     from jaxserve.bench import bench_config
+    from jaxserve.model.kv_cache import page_dtype
 
     cfg = bench_config(requests, input_len, output_len, max_slots=min(requests, 256), chunk_buckets=(chunk,),
                        prefill_rows=(1, 2, 4, 8), prefill_tokens=prefill_tokens)
-    itemsize = 1 if kv_cache_dtype == "float8_e4m3fn" else model.weights.final_norm.dtype.itemsize  # of a KV page
+    itemsize = page_dtype(kv_cache_dtype, model.weights.final_norm.dtype).itemsize  # of a KV page value
     if memory_fraction:  # every slot wanted; the engine sizes the pages
         slots = cfg.max_slots
     else:

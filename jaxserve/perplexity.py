@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import KV_CACHE_DTYPES
 from jaxserve.errors import InputError
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, page_dtype
 from jaxserve.model.transformer import forward
 
 PAGE_SIZE = 16
@@ -49,9 +48,7 @@ def perplexity(model: LoadedModel, token_ids: list[int], *, context: int = 1024,
         raise InputError(f"the text has {len(token_ids)} tokens; perplexity needs at least 2")
     width = -(-min(context, len(token_ids)) // PAGE_SIZE) * PAGE_SIZE
     pages = width // PAGE_SIZE
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise InputError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    dtype = model.weights.final_norm.dtype if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
+    dtype = page_dtype(kv_cache_dtype, model.weights.final_norm.dtype)
 
     @jax.jit
     def window_nll(weights: Any, tokens: jax.Array, length: jax.Array) -> jax.Array:

@@ -29,12 +29,13 @@ from jaxserve.engine.batch import NUM_TOP, StepInput, StepOutput
 from jaxserve.engine.engine import Engine
 from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, page_dtype
 from jaxserve.model.sampler import sample
 from jaxserve.model.transformer import forward
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.paged_attention import reads_float8_pages
 
 log = logging.getLogger(__name__)
 
@@ -155,15 +156,13 @@ class StepRunner:
         self.model_cfg = model.config
         self.cfg = cfg
         self.weights = model.weights
-        # auto: the activations' dtype (some weights may be int8)
-        dtype = model.weights.final_norm.dtype if cfg.kv_cache_dtype == "auto" else jnp.dtype(cfg.kv_cache_dtype)
-        if cfg.kv_cache_dtype != "auto":
-            backend = backend_lib.resolve(cfg.attention)
-            if backend == "mosaic_tpu" or (backend == "mosaic_gpu" and model.config.head_dim % 128):
-                raise JaxserveError(
-                    f"kv_cache_dtype={cfg.kv_cache_dtype!r} with attention={cfg.attention!r} ({backend}) needs the "
-                    f"Mosaic GPU kernels and head_dim a multiple of 128 (this model: {model.config.head_dim}), or "
-                    f"attention='reference'")
+        dtype = page_dtype(cfg.kv_cache_dtype, model.weights.final_norm.dtype)  # the weights may be int8
+        if jnp.dtype(dtype).itemsize == 1 and not reads_float8_pages(cfg.attention, model.config.head_dim):
+            raise JaxserveError(
+                f"kv_cache_dtype={cfg.kv_cache_dtype!r}: attention={cfg.attention!r} "
+                f"({backend_lib.resolve(cfg.attention)}) cannot read 8-bit pages at this model's "
+                f"head_dim={model.config.head_dim} (Mosaic GPU needs a multiple of 128, Mosaic TPU none); "
+                f"use attention='reference'")
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -60,7 +60,8 @@ def test_float8_pages_through_the_kernels_in_interpret_mode_generate_what_xla_ge
     a head_dim they cannot take is refused by name."""
     fp8 = "float8_e4m3fn"
     assert generate(tiny128, "mosaic_gpu", PROMPTS, 4, fp8) == generate(tiny128, "reference", PROMPTS, 4, fp8)
-    with pytest.raises(JaxserveError, match=r"needs the Mosaic GPU kernels and head_dim a multiple of 128 \(this model: 64\)"):
+    with pytest.raises(JaxserveError, match=r"attention='mosaic_gpu' \(mosaic_gpu\) cannot read 8-bit pages at "
+                                            r"this model's head_dim=64"):
         generate(tiny, "mosaic_gpu", PROMPTS, 4, fp8)
 
 

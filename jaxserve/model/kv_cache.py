@@ -41,6 +41,16 @@ class KVCache:
         return int(self.k[0].shape[2])
 
 
+def page_dtype(kv_cache_dtype: str, activations: Any) -> Any:
+    """The KV pages' dtype for EngineConfig.kv_cache_dtype: "auto" is the activations' dtype."""
+    from jaxserve.config import KV_CACHE_DTYPES
+    from jaxserve.errors import InputError
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InputError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return jnp.dtype(activations) if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
+
+
 def cache_bytes(cache: KVCache) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
 

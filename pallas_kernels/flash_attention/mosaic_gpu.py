@@ -55,6 +55,26 @@ def mosaic_dtype(dtype: Any) -> Any:
     return jnp.bfloat16 if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
 
 
+def reads_float8_pages(head_dim: int) -> bool:
+    """8-bit pages go through the ring in 128-byte swizzled rows: head_dim must fill them."""
+    return head_dim % 128 == 0
+
+
+def operand_dtypes(q_dtype: Any, k_dtype: Any, v_dtype: Any, head_dim: int) -> tuple[Any, Any]:
+    """(tensor-core dtype, K/V ring dtype). float8_e4m3fn pages stay 8-bit in the ring and are converted to
+    float16 in shared memory (float8 -> bfloat16 needs a newer PTX ISA); others are rounded like q."""
+    fp8 = jnp.dtype(jnp.float8_e4m3fn)
+    staged = jnp.dtype(k_dtype) == fp8
+    if staged != (jnp.dtype(v_dtype) == fp8):
+        raise ValueError(f"k ({k_dtype}) and v ({v_dtype}) must both be float8_e4m3fn or neither")
+    if not staged:
+        return mosaic_dtype(q_dtype), mosaic_dtype(q_dtype)
+    if not reads_float8_pages(head_dim):
+        raise ValueError(f"float8_e4m3fn pages need head_dim a multiple of 128 on Mosaic GPU (a 128-byte swizzled "
+                         f"row), got head_dim={head_dim}; use backend='reference' for this model")
+    return jnp.dtype(jnp.float16), fp8
+
+
 def with_layout(x: jax.Array, layout: Any, *, interpreted: bool) -> jax.Array:
     """plgpu.layout_cast, which the interpreter does not know (it needs no layouts)."""
     return x if interpreted else plgpu.layout_cast(x, layout)
@@ -328,15 +348,8 @@ def _check(q, k_shape, bs: BlockSizes, kv_len_name: str):
 
 def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, bs: BlockSizes, interpret):
     b, t, h, hd, kv, group = _check(q, k.shape, bs, "pages" if paged else "dense")
-    staged = paged and jnp.dtype(k.dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    if staged != (paged and jnp.dtype(v.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
-        raise ValueError(f"k_pages ({k.dtype}) and v_pages ({v.dtype}) must both be float8_e4m3fn or neither")
-    if staged and hd % 128:
-        raise ValueError(f"float8_e4m3fn pages need head_dim a multiple of 128 on Mosaic GPU (a 128-byte swizzled "
-                         f"row), got head_dim={hd}; use backend='reference' for this model")
-    # float8 pages are converted to float16 inside the kernel (float8 -> bfloat16 needs a newer PTX ISA).
-    dtype = jnp.dtype(jnp.float16) if staged else mosaic_dtype(q.dtype)
-    kv_dtype = k.dtype if staged else dtype
+    dtype, kv_dtype = operand_dtypes(q.dtype, k.dtype, v.dtype, hd)
+    staged = kv_dtype != dtype
     q, k, v = q.astype(dtype), k.astype(kv_dtype), v.astype(kv_dtype)
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     num_qt = t // bs.block_q

@@ -36,4 +36,9 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
                                   block_sizes=block_sizes, interpret=interpret)
 
 
-__all__ = ["paged_attention", "paged_attention_reference"]
+def reads_float8_pages(backend: str, head_dim: int) -> bool:
+    """Whether `backend` (resolved for this platform, as the kernels are) reads float8_e4m3fn pages at `head_dim`."""
+    return backend_lib.implementation(__name__, backend).reads_float8_pages(head_dim)
+
+
+__all__ = ["paged_attention", "paged_attention_reference", "reads_float8_pages"]

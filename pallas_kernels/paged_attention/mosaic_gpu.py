@@ -35,7 +35,8 @@ from pallas_kernels.flash_attention.mosaic_gpu import (
     mma_accumulate,
     mma_transforms,
     mma_transposed,
-    mosaic_dtype,
+    operand_dtypes,
+    reads_float8_pages,  # noqa: F401  (this backend's answer to paged_attention.reads_float8_pages)
     with_layout,
     zero_rows_from,
 )
@@ -277,15 +278,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         raise ValueError(f"page_size={ps} and block_k={bs.block_k} must divide one another (and page_size % 8 == 0)")
     if bs.block_k % 64:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
-    staged = jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)
-    if staged != (jnp.dtype(v_pages.dtype) == jnp.dtype(jnp.float8_e4m3fn)):
-        raise ValueError(f"k_pages ({k_pages.dtype}) and v_pages ({v_pages.dtype}) must both be float8_e4m3fn or neither")
-    if staged and hd % 128:
-        raise ValueError(f"float8_e4m3fn pages need head_dim a multiple of 128 on Mosaic GPU (a 128-byte swizzled "
-                         f"row), got head_dim={hd}; use backend='reference' for this model")
-    # float8 pages are converted to float16 inside the kernel (float8 -> bfloat16 needs a newer PTX ISA).
-    dtype = jnp.dtype(jnp.float16) if staged else mosaic_dtype(q.dtype)
-    kv_dtype = k_pages.dtype if staged else dtype
+    dtype, kv_dtype = operand_dtypes(q.dtype, k_pages.dtype, v_pages.dtype, hd)
+    staged = kv_dtype != dtype
     itemsize, kv_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     max_len = pages_per_row * ps
     splits, split_len = split_layout(b, kv, max_len, bs)

@@ -69,6 +69,11 @@ def _kernel(table_ref, len_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_bu
     lse_ref[...] = m + jnp.log(denom)  # -inf for a split that saw no key
 
 
+def reads_float8_pages(head_dim: int) -> bool:
+    """8-bit pages are refused (check_pages)."""
+    return False
+
+
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float | None = None,
                     block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Decode attention over pages (see reference.paged_attention), pages copied by DMA, never gathered."""

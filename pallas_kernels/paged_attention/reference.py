@@ -81,6 +81,11 @@ def paged_attention_reference(
     return jnp.stack(out, axis=2).reshape(b, t, h, hd)
 
 
+def reads_float8_pages(head_dim: int) -> bool:
+    """Gathered pages are upcast to the queries' dtype: any head_dim."""
+    return True
+
+
 def combine_splits(o_part: jax.Array, lse: jax.Array, *, base2: bool = False) -> jax.Array:
     """The attention over a whole sequence from its splits' partials: o_part [b, kv, splits, group, hd] (each
     normalised over its split) and their log-sum-exps lse [b, kv, splits, group] (natural, or base 2)
