@@ -38,12 +38,12 @@ from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
 
 
-def step_bytes(cfg, weights, batch: int, context: int) -> int:
+def step_bytes(cfg, weights, batch: int, context: int, kv_bytes: int = 2) -> int:
     """Bytes a decode step must read: every weight but the embedding table (one row of it), plus K and V."""
     embed = weights.embed
     embed_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(embed))
     tied = weights.lm_head is None
-    kv = 2 * cfg.num_layers * batch * (context + 1) * cfg.num_kv_heads * cfg.head_dim * 2
+    kv = 2 * cfg.num_layers * batch * (context + 1) * cfg.num_kv_heads * cfg.head_dim * kv_bytes
     return param_bytes(weights) - (0 if tied else embed_bytes) + kv
 
 
@@ -124,12 +124,13 @@ def profile_steps(step, weights, state, inp, steps: int, timeline: str | None = 
             "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(14)]}
 
 
-def run_variant(cfg, weights, batch: int, context: int, steps: tuple[int, ...], timeline: str | None = None):
+def run_variant(cfg, weights, batch: int, context: int, steps: tuple[int, ...], timeline: str | None = None,
+                kv_dtype=jnp.bfloat16):
     """{steps timed: (wall seconds per step, profile)}: each count timed three times in turn (the median kept).
     A run of few steps includes the pipeline's fill and drain (the first launch, the last read back); a long
     one is the steady state of a long generation."""
     start = time.perf_counter()
-    step, state, inp = decode_step(cfg, weights, batch, context)
+    step, state, inp = decode_step(cfg, weights, batch, context, kv_dtype=kv_dtype)
     print(f"  batch {batch}: compiled and run once in {time.perf_counter() - start:.1f} s", flush=True)
     inp = {name: jnp.asarray(x) for name, x in inp.items()}  # inputs on the device: the step alone is timed
     times: dict[int, list[float]] = {n: [] for n in steps}
@@ -158,16 +159,19 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"{jax.devices()[0]} jax {jax.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
-    variants = {"bfloat16": lambda: bf16, "int8": lambda: quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)}
+    variants = {"bfloat16": lambda: bf16, "int8": lambda: quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16),
+                "float8-kv": lambda: bf16}  # bfloat16 weights over float8_e4m3fn KV pages
+    kv_dtypes = {"float8-kv": jnp.float8_e4m3fn}
     table = []
     for name in args.variants.split(","):
-        weights = variants[name]()
+        weights, kv_dtype = variants[name](), kv_dtypes.get(name, jnp.bfloat16)
         for batch in [int(b) for b in args.batches.split(",")]:
-            floor = step_bytes(cfg, weights, batch, args.context) / copy_bw
+            floor = step_bytes(cfg, weights, batch, args.context, jnp.dtype(kv_dtype).itemsize) / copy_bw
             steps = tuple(int(n) for n in args.steps.split(","))
-            for n, (wall, prof) in run_variant(cfg, weights, batch, args.context, steps, args.timeline).items():
+            for n, (wall, prof) in run_variant(cfg, weights, batch, args.context, steps, args.timeline,
+                                                     kv_dtype).items():
                 config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "weights": name,
-                          "batch": batch, "context": args.context, "steps": n}
+                          "kv_dtype": jnp.dtype(kv_dtype).name, "batch": batch, "context": args.context, "steps": n}
                 record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
                        higher_is_better=False)
                 line = (f"{name:9s} b{batch:<4d} {n:4d} steps {wall * 1e3:7.3f} ms/step  floor {floor * 1e3:6.3f} ms ="

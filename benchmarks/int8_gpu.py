@@ -77,11 +77,12 @@ def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, optio
         compiler_options=options)
 
 
-def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None):
+def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None,
+                kv_dtype=jnp.bfloat16):
     """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
     step_fn compiled like the engine's steps (the state donated; `options` as in compile_step), run once."""
     pages = -(-(context + 1) // PAGE_SIZE)
-    cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, jnp.bfloat16, padding_page=True)  # as the engine's
+    cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, kv_dtype, padding_page=True)  # as the engine's
     state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
     step = compile_step(cfg, weights, state, inp, options)
