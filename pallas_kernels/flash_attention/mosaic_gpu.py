@@ -139,13 +139,16 @@ def online_softmax(s: jax.Array, m: jax.Array, denom: jax.Array, c: float):
     return p, m_new, denom * alpha + jnp.sum(p, axis=1), alpha
 
 
-def converted(tile: Any, stage: Any, free: Any, *, interpreted: bool) -> Any:
+def converted(tile: Any, stage: Any, free: Any, *, interpreted: bool, rows: int | None = None) -> Any:
     """An 8-bit tile of the K/V ring as a tensor-core operand: converted into `stage` (float16, tiled and
-    swizzled like a 16-bit ring tile), with the ring slot handed back at once through `free`."""
-    x = tile[...]
-    if not interpreted:  # 32-bit shared-memory reads of 4 values each, then one shuffle to the wgmma layout
-        x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X)
-    stage[...] = with_layout(x.astype(stage.dtype), plgpu.Layout.WGMMA, interpreted=interpreted)
+    swizzled like a 16-bit ring tile), `rows` at a time (all by default), with the ring slot handed back
+    at once through `free`."""
+    rows = rows or tile.shape[0]
+    for r in range(0, tile.shape[0], rows):
+        x = tile.at[pl.ds(r, rows)][...]
+        if not interpreted:  # 32-bit shared-memory reads of 4 values each, then one shuffle to the wgmma layout
+            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA_UPCAST_2X)
+        stage.at[pl.ds(r, rows)][...] = with_layout(x.astype(stage.dtype), plgpu.Layout.WGMMA, interpreted=interpreted)
     plgpu.commit_smem()
     plgpu.barrier_arrive(free)
     return stage

@@ -45,6 +45,7 @@ from pallas_kernels.paged_attention.reference import combine_splits
 _LOG2E = math.log2(math.e)
 _NEG = -1e30
 NUM_SMS = 132  # H100 SXM; only sets how finely short batches are split
+CONVERTER_REGISTERS = 112  # per thread of the converting warpgroup: 64 x head_dim values at a time
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,9 @@ class BlockSizes:
     # batch slots one program runs in turn (1 or 2: each needs its own query and output tiles);
     # None: 2 when that still leaves a program for nearly every SM, so a second wave's start-up is saved
     slots_per_program: int | None = None
+    # 8-bit pages: a third warpgroup converts the ring's tiles into a ring of two float16 tiles while the
+    # compute warpgroup works on the previous block (False: the compute warpgroup converts them itself)
+    convert_warpgroup: bool = False
 
 
 def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
@@ -86,11 +90,17 @@ SMEM_BYTES = 227 * 1024  # shared memory one H100 block may use
 
 def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool = False, kv_itemsize: int = 0) -> int:
     """Shared memory of one program: its query and output tiles per slot (float32 output for split partials),
-    the K/V ring, and with 8-bit pages (`kv_itemsize` 1) one K and one V tile converted for the tensor cores."""
+    the K/V ring, and with 8-bit pages (`kv_itemsize` 1) the K and V tiles converted for the tensor cores
+    (one of each, or two with a converting warpgroup)."""
     out_itemsize = 4 if partial else itemsize
     kv_itemsize = kv_itemsize or itemsize
-    staged = 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
+    staged = stage_depth(bs) * 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
     return slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * kv_itemsize + staged
+
+
+def stage_depth(bs: BlockSizes) -> int:
+    """Converted K (and V) tiles a program holds: two when a warpgroup converts one block ahead."""
+    return 2 if bs.convert_warpgroup else 1
 
 
 def default_slots(batch: int, kv_heads: int, splits: int, hd: int, bs: BlockSizes, itemsize: int,
@@ -120,13 +130,18 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     # rows: query_rows(group); row `offset + r` of a q tile holds query head kvh * group + r for r < group
     # slots: consecutive batch slots this program runs one after another, its K/V ring streaming across them
     # 8-bit pages land in the ring as they are; the compute warpgroup converts each tile into k_stage or
-    # v_stage (the tensor-core operands), then hands the ring slot back.
+    # v_stage (the tensor-core operands), then hands the ring slot back. With bs.convert_warpgroup a third
+    # warpgroup does that instead, one block ahead, into k_stage/v_stage rings of two: it hands each
+    # converted tile over through k_ready/v_ready and reuses it once the compute warpgroup arrives on
+    # k_done/v_done.
     o_ref, *refs = refs
     lse_ref, *refs = refs if partial else (None, *refs)
     q_smem, k_smem, v_smem, o_smem, *refs = refs
     lse_smem, *refs = refs if partial else (None, *refs)
     k_stage, v_stage, *refs = refs if staged else (None, None, *refs)
-    q_bar, k_bar, v_bar, k_free, v_free = refs
+    q_bar, k_bar, v_bar, k_free, v_free, *refs = refs
+    convert = staged and bs.convert_warpgroup
+    k_ready, v_ready, k_done, v_done = refs if convert else (None,) * 4
     assert slots == 1 or not partial, "split partials have no past-the-batch guard: one slot per program"
     bk, stages = bs.block_k, bs.stages
     kv_heads, batch = k_ref.shape[0], len_ref.shape[0]
@@ -187,6 +202,40 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
 
         lax.fori_loop(jnp.maximum(count - stages, 0), count, drain, None)
 
+    if convert:
+        @pl.when(wg == 2)
+        def _converter():
+            plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
+            count = jnp.int32(0)
+            for i in range(slots):
+                _, _, num_blocks, _ = slot_of(i)
+
+                def step(j, carry, base=count):
+                    c = base + j
+                    slot, st = lax.rem(c, stages), lax.rem(c, 2)
+
+                    @pl.when(c >= 2)
+                    def _():
+                        plgpu.barrier_wait(k_done.at[st])
+                        plgpu.barrier_wait(v_done.at[st])
+
+                    for ring, bar, free, stage, ready in ((k_smem, k_bar, k_free, k_stage, k_ready),
+                                                          (v_smem, v_bar, v_free, v_stage, v_ready)):
+                        plgpu.barrier_wait(bar.at[slot])
+                        converted(ring.at[slot], stage.at[st], free.at[slot], interpreted=interpreted, rows=ROWS)
+                        plgpu.barrier_arrive(ready.at[st])
+                    return carry
+
+                lax.fori_loop(0, num_blocks, step, None)
+                count = count + num_blocks
+
+            def drain(c, carry):
+                plgpu.barrier_wait(k_done.at[lax.rem(c, 2)])
+                plgpu.barrier_wait(v_done.at[lax.rem(c, 2)])
+                return carry
+
+            lax.fori_loop(jnp.maximum(count - 2, 0), count, drain, None)
+
     @pl.when(wg == 0)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
@@ -203,8 +252,20 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         hd = q_smem.shape[-1]
         count = jnp.int32(0)
 
-        def operand(tile, stage, free):
-            return converted(tile, stage, free, interpreted=interpreted) if staged else tile
+        def operand(ring, bar, stage, free, ready, slot, st):
+            """The block's K or V tile for the tensor cores, once it has landed (and been converted)."""
+            if convert:
+                plgpu.barrier_wait(ready.at[st])
+                return stage.at[st]
+            plgpu.barrier_wait(bar.at[slot])
+            return converted(ring.at[slot], stage, free.at[slot], interpreted=interpreted) if staged else ring.at[slot]
+
+        def release(free, done, slot, st):
+            """The tile's buffer may be refilled: its product has been read back."""
+            if convert:
+                plgpu.barrier_arrive(done.at[st])
+            elif not staged:
+                plgpu.barrier_arrive(free.at[slot])
 
         for i in range(slots):
             b, length, num_blocks, num_full = slot_of(i)
@@ -214,16 +275,14 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
 
             def step(j, carry, *, masked: bool, base=count, length=length, q_tile=q_tile):
                 m, denom, acc = carry
-                slot = lax.rem(base + j, stages)
+                slot, st = lax.rem(base + j, stages), lax.rem(base + j, 2)
+                k_operand = functools.partial(operand, k_smem, k_bar, k_stage, k_free, k_ready, slot, st)
+                v_operand = functools.partial(operand, v_smem, v_bar, v_stage, v_free, v_ready, slot, st)
                 if masked:  # the block crossing the slot's length: V past it may be stale NaN
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
+                    v_tile = v_operand()
                     zero_rows_from(v_tile, length - begin - j * bk, interpreted=interpreted)
-                plgpu.barrier_wait(k_bar.at[slot])
-                s = mma_transposed(q_tile, operand(k_smem.at[slot], k_stage, k_free.at[slot]),
-                                   interpreted=interpreted) * (scale * _LOG2E)
-                if not staged:
-                    plgpu.barrier_arrive(k_free.at[slot])
+                s = mma_transposed(q_tile, k_operand(), interpreted=interpreted) * (scale * _LOG2E)
+                release(k_free, k_done, slot, st)
                 if masked:
                     s = jnp.where(begin + j * bk + col < length, s, -jnp.inf)
                 m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -232,11 +291,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 denom = denom * alpha + jnp.sum(p, axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if not masked:
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
+                    v_tile = v_operand()
                 acc = mma_accumulate(acc, p.astype(q_smem.dtype), v_tile, interpreted=interpreted)
-                if not staged:
-                    plgpu.barrier_arrive(v_free.at[slot])
+                release(v_free, v_done, slot, st)
                 return m_new, denom, acc
 
             m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
@@ -305,6 +362,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
     )
+    if staged and bs.convert_warpgroup:  # k_ready, v_ready, k_done, v_done over the two converted tiles
+        barriers = (*barriers, *(plgpu.Barrier(num_arrivals=1, num_barriers=2) for _ in range(4)))
     kv_tr = mma_transforms(kv_dtype)
     smem = (
         plgpu.SMEM((slots, ROWS, hd), dtype, transforms=tr),
@@ -319,7 +378,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     else:
         out_type = jax.ShapeDtypeStruct((n_rows, hd), dtype)
     if staged:
-        smem = (*smem, *(plgpu.SMEM((bs.block_k, hd), dtype, transforms=tr) for _ in range(2)))
+        depth = (stage_depth(bs),) if bs.convert_warpgroup else ()
+        smem = (*smem, *(plgpu.SMEM((*depth, bs.block_k, hd), dtype, transforms=tr) for _ in range(2)))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, slots=slots, bs=bs,
@@ -328,7 +388,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         scratch_types=(*smem, *barriers),
         grid=(-(-b // slots), kv, splits),
         grid_names=("b", "kvh", "split"),
-        num_threads=2,
+        num_threads=3 if staged and bs.convert_warpgroup else 2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params,

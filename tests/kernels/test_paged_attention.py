@@ -29,6 +29,10 @@ class DecodeSuite:
     def block_sizes(self, case):
         return None
 
+    def float8_block_sizes(self, case):
+        """The tilings float8 pages run under: the backend's options for 8-bit pages beside the usual."""
+        return [self.block_sizes(case)]
+
     def test_ragged_slots(self, case):
         """Slots of lengths 1, page_size + 1, full and 0 over random pages; s splits of the sequence."""
         self.check_ragged_slots(case, stale_nan=False)
@@ -42,12 +46,13 @@ class DecodeSuite:
         """float8_e4m3fn pages, stale NaN past the lengths, against the truth on the same float8 values."""
         case = ("bfloat16", 128, 4, splits)
         if self.FLOAT8:
-            self.check_ragged_slots(case, stale_nan=True, kv_dtype=jnp.float8_e4m3fn)
+            for bs in self.float8_block_sizes(case):
+                self.check_ragged_slots(case, stale_nan=True, kv_dtype=jnp.float8_e4m3fn, block_sizes=bs)
             return
         with pytest.raises(ValueError, match="float8_e4m3fn"):
             self.check_ragged_slots(case, stale_nan=False, kv_dtype=jnp.float8_e4m3fn)
 
-    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None):
+    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None, block_sizes=None):
         dtype, hd, group, splits = case
         rng = np.random.default_rng(hash(case) % 2**32)
         full = self.pages_per_row * PAGE_SIZE
@@ -65,7 +70,7 @@ class DecodeSuite:
         if kv_dtype is not None:
             kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(lengths), backend=self.backend,
-                              interpret=self.interpret, block_sizes=self.block_sizes(case))
+                              interpret=self.interpret, block_sizes=block_sizes or self.block_sizes(case))
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
         v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
         truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
@@ -104,6 +109,17 @@ class TestMosaicGPUInterpret(InterpretSuite):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
         return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
+
+    def float8_block_sizes(self, case):
+        """Also a third warpgroup converting the 8-bit tiles one block ahead, over 64- and 128-token blocks."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        splits = case[3]
+        return [*super().float8_block_sizes(case),
+                BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
+                           convert_warpgroup=True),
+                BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
+                           convert_warpgroup=True)]
 
     @pytest.mark.parametrize("heads,kv,slots,splits", [(4, 1, 2, 1), (9, 3, 1, 1), (6, 1, 1, 2)])
     def test_odd_shapes(self, heads, kv, slots, splits):
@@ -189,3 +205,14 @@ class TestMosaicGPU(DecodeSuite):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
         return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
+
+    def float8_block_sizes(self, case):
+        """Also a third warpgroup converting the 8-bit tiles one block ahead, over 64- and 128-token blocks."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        splits = case[3]
+        return [*super().float8_block_sizes(case),
+                BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
+                           convert_warpgroup=True),
+                BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
+                           convert_warpgroup=True)]
