@@ -227,7 +227,7 @@ class StepRunner:
             raise JaxserveError("kv_memory_fraction sizes the pool from one process's devices; with several "
                                 "processes set num_pages, the same on every process")
         unit = cfg.parallel.sp  # the pool is split evenly over the sequence axis: pages come in multiples of it
-        shape = (mc.num_kv_heads, unit, cfg.page_size, mc.head_dim)
+        shape: tuple[int, ...] = (mc.num_kv_heads, unit, cfg.page_size, mc.head_dim)
         if self.plan is not None:
             shape = self.plan.cache_sharding(unit, cfg.page_size).shard_shape(shape)
         devices = list(self.plan.mesh.devices.flat) if self.plan is not None else [jax.devices()[0]]
