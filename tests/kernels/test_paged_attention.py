@@ -162,6 +162,17 @@ class TestMosaicGPUInterpret(InterpretSuite):
                 splits, split_len = layout(batch, max_len)
                 assert split_len % 128 == 0 and (splits - 1) * split_len < max_len <= splits * split_len
 
+    def test_float8_default_tiling(self):
+        """8-bit pages default to a converting warpgroup: 128-token blocks where they fit in shared memory,
+        64-token ones where the split partials' float32 tiles take the room."""
+        from pallas_kernels.paged_attention.mosaic_gpu import SMEM_BYTES, float8_block_sizes, smem_bytes, split_layout
+
+        for batch, max_len, block_k in ((256, 1536, 128), (128, 2048, 128), (1, 8192, 64), (8, 8192, 64)):
+            bs = float8_block_sizes(batch, 8, max_len, 128, 2)
+            assert bs.convert_warpgroup and bs.block_k == block_k, (batch, max_len, bs)
+            partial = split_layout(batch, 8, max_len, bs)[0] > 1
+            assert smem_bytes(bs.slots_per_program or 2, 128, bs, 2, partial=partial, kv_itemsize=1) <= SMEM_BYTES
+
     def test_shared_memory_limit_is_named(self):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
