@@ -62,13 +62,14 @@ def replay(num_pages: int, chunk: int, prefill_tokens: int, requests: int = 256,
     return log, engine
 
 
-def cost(log, kv_bytes_per_token: int) -> tuple[float, float]:
-    """(decode seconds, prefill seconds) of the dispatches under the model."""
+def cost(log, kv_bytes_per_token: int, kv_fraction: float = 1.0) -> tuple[float, float]:
+    """(decode seconds, prefill seconds) of the dispatches under the model; the attention kernel streams K/V at
+    `kv_fraction` of the copy bandwidth."""
     decode = prefill = 0.0
     for rows, width, _, context in log:
         if width == 1:
             decode += max(WEIGHT_BYTES / COPY_BW, 2 * PARAMS * rows / MATMUL_FLOPS) + \
-                context * kv_bytes_per_token / COPY_BW + SMALL_S
+                context * kv_bytes_per_token / (kv_fraction * COPY_BW) + SMALL_S
         else:
             prefill += rows * width * 2 * PARAMS / MATMUL_FLOPS
     return decode, prefill
@@ -78,11 +79,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-pages", type=int, default=26621, help="the pool kv_memory_fraction 0.9 gave on the H100")
     ap.add_argument("--kv-bytes", type=int, default=131072, help="K/V bytes per token (8B, bf16: 131,072)")
+    ap.add_argument("--kv-fraction", type=float, default=1.0,
+                    help="the decode kernel's K/V bandwidth over the copy's: bf16 pages 0.98, float8 pages 0.54 with "
+                         "the compute warpgroup converting, 0.67 with the converting warpgroup (fp8_decode_gpu.py)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     args = ap.parse_args()
     log, engine = replay(args.num_pages, args.chunk, args.prefill_tokens)
-    decode, prefill = cost(log, args.kv_bytes)
+    decode, prefill = cost(log, args.kv_bytes, args.kv_fraction)
     rows = [live for _, width, live, _ in log if width == 1]
     print(f"{args.num_pages} pages, {args.kv_bytes} K/V bytes a token: {engine.stats.steps} steps, "
           f"{engine.scheduler.num_preemptions} preemptions, decode rows p10/p50 {np.percentile(rows, 10):.0f}/"
