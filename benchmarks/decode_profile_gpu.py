@@ -170,7 +170,8 @@ def main() -> None:
             steps = tuple(int(n) for n in args.steps.split(","))
             for n, (wall, prof) in run_variant(cfg, weights, batch, args.context, steps, args.timeline,
                                                      kv_dtype).items():
-                config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "weights": name,
+                config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "variant": name,
+                          "weights": "int8" if name == "int8" else "bfloat16",
                           "kv_dtype": jnp.dtype(kv_dtype).name, "batch": batch, "context": args.context, "steps": n}
                 record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
                        higher_is_better=False)

@@ -80,8 +80,9 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=26621, help="the pool kv_memory_fraction 0.9 gave on the H100")
     ap.add_argument("--kv-bytes", type=int, default=131072, help="K/V bytes per token (8B, bf16: 131,072)")
     ap.add_argument("--kv-fraction", type=float, default=1.0,
-                    help="the decode kernel's K/V bandwidth over the copy's: bf16 pages 0.98, float8 pages 0.54 with "
-                         "the compute warpgroup converting, 0.67 with the converting warpgroup (fp8_decode_gpu.py)")
+                    help="the decode kernel's K/V bandwidth over the copy's: bf16 pages about 1 (0.96-0.98), float8 pages "
+                         "0.54 with the compute warpgroup converting, 0.67 with the converting warpgroup "
+                         "(fp8_decode_gpu.py)")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     args = ap.parse_args()

@@ -144,6 +144,7 @@ def converted(tile: Any, stage: Any, free: Any, *, interpreted: bool, rows: int 
     swizzled like a 16-bit ring tile), `rows` at a time (all by default), with the ring slot handed back
     at once through `free`."""
     rows = rows or tile.shape[0]
+    assert tile.shape[0] % rows == 0, (tile.shape, rows)
     for r in range(0, tile.shape[0], rows):
         x = tile.at[pl.ds(r, rows)][...]
         if not interpreted:  # 32-bit shared-memory reads of 4 values each, then one shuffle to the wgmma layout

@@ -89,6 +89,10 @@ def split_layout(batch: int, kv_heads: int, max_len: int, bs: BlockSizes) -> tup
 
 
 SMEM_BYTES = 227 * 1024  # shared memory one H100 block may use
+# Beside the tiles: barriers and each buffer's alignment. Calibrated on the H100 and the CUDA lowering: the
+# converting warpgroup's 128-token tiling (tiles of 229,376 bytes) runs; head_dim 256 split over 64-token blocks
+# (229,376 bytes of tiles and 256 of log-sum-exp) needs 232,520 in all, past the limit.
+SMEM_RESERVE = 3 * 1024
 
 
 def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool = False, kv_itemsize: int = 0) -> int:
@@ -98,24 +102,39 @@ def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool
     out_itemsize = 4 if partial else itemsize
     kv_itemsize = kv_itemsize or itemsize
     staged = stage_depth(bs) * 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
-    return slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * kv_itemsize + staged
+    lse = ROWS * 4 if partial else 0
+    return (slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * kv_itemsize + staged
+            + lse + SMEM_RESERVE)
+
+
+CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
 
 
 def stage_depth(bs: BlockSizes) -> int:
-    """Converted K (and V) tiles a program holds: two when a warpgroup converts one block ahead."""
-    return 2 if bs.convert_warpgroup else 1
+    """Converted K (and V) tiles a program holds."""
+    return CONVERTED_TILES if bs.convert_warpgroup else 1
+
+
+def fits(bs: BlockSizes, batch: int, kv_heads: int, max_len: int, hd: int, itemsize: int, kv_itemsize: int) -> bool:
+    """Whether a call's tiling fits in shared memory, with the slots per program the call would use."""
+    splits = split_layout(batch, kv_heads, max_len, bs)[0]
+    slots = bs.slots_per_program or default_slots(batch, kv_heads, splits, hd, bs, itemsize, kv_itemsize)
+    return smem_bytes(slots, hd, bs, itemsize, partial=splits > 1, kv_itemsize=kv_itemsize) <= SMEM_BYTES
 
 
 def float8_block_sizes(batch: int, kv_heads: int, max_len: int, hd: int, itemsize: int) -> BlockSizes:
-    """Default tiling over 8-bit pages: a converting warpgroup over 128-token blocks, one slot a program;
-    where the split partials' float32 tiles leave no room for that, 64-token blocks in a ring of three.
-    On the H100 (benchmarks/fp8_decode_gpu.py) the 128-token tiling ran 1.24x (batch 256, 1,536 tokens) and
-    1.28x (128, 2,048) faster than the compute warpgroup converting, the 64-token one 1.14-1.17x."""
-    wide = BlockSizes(block_k=128, stages=2, slots_per_program=1, convert_warpgroup=True)
-    partial = split_layout(batch, kv_heads, max_len, wide)[0] > 1
-    if smem_bytes(1, hd, wide, itemsize, partial=partial, kv_itemsize=1) <= SMEM_BYTES:
-        return wide
-    return BlockSizes(block_k=64, stages=3, convert_warpgroup=True)
+    """Default tiling over 8-bit pages: a converting warpgroup over 128-token blocks, one slot a program, where
+    that fits in shared memory (unsplit sequences at head_dim 128). On the H100 (benchmarks/fp8_decode_gpu.py)
+    it ran 1.24x (batch 256, 1,536 tokens) and 1.28x (128, 2,048) faster than the compute warpgroup converting.
+    Elsewhere (split sequences at small batch, wider heads: not measured with a converting warpgroup) the compute
+    warpgroup converts, in the first of the default tiling and 64-token blocks that fits (none does for a split
+    sequence at head_dim 256: the call then names the shared memory it needs)."""
+    candidates = (BlockSizes(block_k=128, stages=2, slots_per_program=1, convert_warpgroup=True), BlockSizes(),
+                  BlockSizes(block_k=64, stages=2))
+    for bs in candidates:
+        if fits(bs, batch, kv_heads, max_len, hd, itemsize, 1):
+            return bs
+    return candidates[-1]  # the call names the shared memory it would need
 
 
 def default_slots(batch: int, kv_heads: int, splits: int, hd: int, bs: BlockSizes, itemsize: int,
@@ -227,9 +246,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
 
                 def step(j, carry, base=count):
                     c = base + j
-                    slot, st = lax.rem(c, stages), lax.rem(c, 2)
+                    slot, st = lax.rem(c, stages), lax.rem(c, CONVERTED_TILES)
 
-                    @pl.when(c >= 2)
+                    @pl.when(c >= CONVERTED_TILES)
                     def _():
                         plgpu.barrier_wait(k_done.at[st])
                         plgpu.barrier_wait(v_done.at[st])
@@ -245,11 +264,11 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 count = count + num_blocks
 
             def drain(c, carry):
-                plgpu.barrier_wait(k_done.at[lax.rem(c, 2)])
-                plgpu.barrier_wait(v_done.at[lax.rem(c, 2)])
+                plgpu.barrier_wait(k_done.at[lax.rem(c, CONVERTED_TILES)])
+                plgpu.barrier_wait(v_done.at[lax.rem(c, CONVERTED_TILES)])
                 return carry
 
-            lax.fori_loop(jnp.maximum(count - 2, 0), count, drain, None)
+            lax.fori_loop(jnp.maximum(count - CONVERTED_TILES, 0), count, drain, None)
 
     @pl.when(wg == 0)
     def _compute():
@@ -290,7 +309,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
 
             def step(j, carry, *, masked: bool, base=count, length=length, q_tile=q_tile):
                 m, denom, acc = carry
-                slot, st = lax.rem(base + j, stages), lax.rem(base + j, 2)
+                slot, st = lax.rem(base + j, stages), lax.rem(base + j, CONVERTED_TILES)
                 k_operand = functools.partial(operand, k_smem, k_bar, k_stage, k_free, k_ready, slot, st)
                 v_operand = functools.partial(operand, v_smem, v_bar, v_stage, v_free, v_ready, slot, st)
                 if masked:  # the block crossing the slot's length: V past it may be stale NaN
@@ -380,7 +399,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
     )
     if staged and bs.convert_warpgroup:  # k_ready, v_ready, k_done, v_done over the two converted tiles
-        barriers = (*barriers, *(plgpu.Barrier(num_arrivals=1, num_barriers=2) for _ in range(4)))
+        barriers = (*barriers, *(plgpu.Barrier(num_arrivals=1, num_barriers=CONVERTED_TILES) for _ in range(4)))
     kv_tr = mma_transforms(kv_dtype)
     smem = (
         plgpu.SMEM((slots, ROWS, hd), dtype, transforms=tr),

@@ -15,6 +15,7 @@ from pallas_kernels.paged_attention import paged_attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 PAGE_SIZE = 16
+SUITE_TILING = object()  # check_ragged_slots: the suite's block_sizes(case); None is the kernel's own default
 
 
 class DecodeSuite:
@@ -52,7 +53,7 @@ class DecodeSuite:
         with pytest.raises(ValueError, match="float8_e4m3fn"):
             self.check_ragged_slots(case, stale_nan=False, kv_dtype=jnp.float8_e4m3fn)
 
-    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None, block_sizes=None):
+    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None, block_sizes=SUITE_TILING):
         dtype, hd, group, splits = case
         rng = np.random.default_rng(hash(case) % 2**32)
         full = self.pages_per_row * PAGE_SIZE
@@ -70,7 +71,8 @@ class DecodeSuite:
         if kv_dtype is not None:
             kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(lengths), backend=self.backend,
-                              interpret=self.interpret, block_sizes=block_sizes or self.block_sizes(case))
+                              interpret=self.interpret,
+                              block_sizes=self.block_sizes(case) if block_sizes is SUITE_TILING else block_sizes)
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
         v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
         truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
@@ -101,7 +103,21 @@ class InterpretSuite(DecodeSuite):
     NAN_CASES = [("bfloat16", 64, 4, 2)]
 
 
-class TestMosaicGPUInterpret(InterpretSuite):
+class MosaicGPUFloat8:
+    def float8_block_sizes(self, case):
+        """Also the kernel's own default for 8-bit pages, and a third warpgroup converting the 8-bit tiles one
+        block ahead over 64- and 128-token blocks."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        splits = case[3]
+        return [*super().float8_block_sizes(case), None,
+                BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
+                           convert_warpgroup=True),
+                BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
+                           convert_warpgroup=True)]
+
+
+class TestMosaicGPUInterpret(MosaicGPUFloat8, InterpretSuite):
     backend = "mosaic_gpu"
 
     def block_sizes(self, case):
@@ -109,17 +125,6 @@ class TestMosaicGPUInterpret(InterpretSuite):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
         return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
-
-    def float8_block_sizes(self, case):
-        """Also a third warpgroup converting the 8-bit tiles one block ahead, over 64- and 128-token blocks."""
-        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
-
-        splits = case[3]
-        return [*super().float8_block_sizes(case),
-                BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
-                           convert_warpgroup=True),
-                BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
-                           convert_warpgroup=True)]
 
     @pytest.mark.parametrize("heads,kv,slots,splits", [(4, 1, 2, 1), (9, 3, 1, 1), (6, 1, 1, 2)])
     def test_odd_shapes(self, heads, kv, slots, splits):
@@ -162,16 +167,30 @@ class TestMosaicGPUInterpret(InterpretSuite):
                 splits, split_len = layout(batch, max_len)
                 assert split_len % 128 == 0 and (splits - 1) * split_len < max_len <= splits * split_len
 
-    def test_float8_default_tiling(self):
-        """8-bit pages default to a converting warpgroup: 128-token blocks where they fit in shared memory,
-        64-token ones where the split partials' float32 tiles take the room."""
-        from pallas_kernels.paged_attention.mosaic_gpu import SMEM_BYTES, float8_block_sizes, smem_bytes, split_layout
+    @pytest.mark.parametrize("batch,max_len,hd,convert", [(256, 1536, 128, True), (128, 2048, 128, True),
+                                                          (1, 8192, 128, False), (8, 8192, 128, False),
+                                                          (64, 2048, 256, False), (2, 4096, 256, None)])
+    def test_float8_default_tiling(self, batch, max_len, hd, convert):
+        """8-bit pages default to a converting warpgroup over 128-token blocks where it fits (unsplit sequences at
+        head_dim 128); elsewhere the compute warpgroup converts, in a tiling that fits: the call lowers for CUDA,
+        where Mosaic GPU checks the shared memory it allocates, with no block sizes given. A split sequence at
+        head_dim 256 fits in no tiling: the call says so (convert None)."""
+        from jax import export
 
-        for batch, max_len, block_k in ((256, 1536, 128), (128, 2048, 128), (1, 8192, 64), (8, 8192, 64)):
-            bs = float8_block_sizes(batch, 8, max_len, 128, 2)
-            assert bs.convert_warpgroup and bs.block_k == block_k, (batch, max_len, bs)
-            partial = split_layout(batch, 8, max_len, bs)[0] > 1
-            assert smem_bytes(bs.slots_per_program or 2, 128, bs, 2, partial=partial, kv_itemsize=1) <= SMEM_BYTES
+        from pallas_kernels.paged_attention.mosaic_gpu import float8_block_sizes
+
+        assert float8_block_sizes(batch, 8, max_len, hd, 2).convert_warpgroup == bool(convert)
+        q = jax.ShapeDtypeStruct((batch, 32, hd), jnp.bfloat16)
+        pages = jax.ShapeDtypeStruct((8, batch * max_len // PAGE_SIZE, PAGE_SIZE, hd), jnp.float8_e4m3fn)
+        table = jax.ShapeDtypeStruct((batch, max_len // PAGE_SIZE), jnp.int32)
+        fn = jax.jit(functools.partial(paged_attention, backend="mosaic_gpu", interpret=False))
+        lower = functools.partial(export.export(fn, platforms=["cuda"]), q, pages, pages, table,
+                                  jax.ShapeDtypeStruct((batch,), jnp.int32))
+        if convert is None:
+            with pytest.raises(ValueError, match="shared memory"):
+                lower()
+            return
+        assert "mosaic_gpu" in lower().mlir_module()
 
     def test_shared_memory_limit_is_named(self):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
@@ -208,7 +227,7 @@ class TestMosaicTPUInterpret(InterpretSuite):
 
 
 @pytest.mark.gpu
-class TestMosaicGPU(DecodeSuite):
+class TestMosaicGPU(MosaicGPUFloat8, DecodeSuite):
     backend = "mosaic_gpu"
     interpret = False
 
@@ -216,14 +235,3 @@ class TestMosaicGPU(DecodeSuite):
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
         return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
-
-    def float8_block_sizes(self, case):
-        """Also a third warpgroup converting the 8-bit tiles one block ahead, over 64- and 128-token blocks."""
-        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
-
-        splits = case[3]
-        return [*super().float8_block_sizes(case),
-                BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
-                           convert_warpgroup=True),
-                BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
-                           convert_warpgroup=True)]
