@@ -75,7 +75,8 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
 
 def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
                   prefill_tokens: int, decode_rows: tuple[int, ...] = (), cache_dir: str | None = None,
-                  memory_fraction: float = 0.0, kv_cache_dtype: str = "auto"):
+                  memory_fraction: float = 0.0, kv_cache_dtype: str = "auto",
+                  prefill_rows: tuple[int, ...] = (1, 2, 4, 8)):
     """`jaxserve bench`'s engine for the load, one prefill chunk width and the decode row counts the loads will
     use; compilations go to a persistent cache. Slots: as many as free memory holds at their full length or,
     with `memory_fraction`, one per request (up to 256) over the pages the engine sizes from memory
@@ -86,7 +87,7 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
     from jaxserve.model.kv_cache import page_dtype
 
     cfg = bench_config(requests, input_len, output_len, max_slots=min(requests, 256), chunk_buckets=(chunk,),
-                       prefill_rows=(1, 2, 4, 8), prefill_tokens=prefill_tokens)
+                       prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
     itemsize = page_dtype(kv_cache_dtype, model.weights.final_norm.dtype).itemsize  # of a KV page value
     if memory_fraction:  # every slot wanted; the engine sizes the pages
         slots = cfg.max_slots
@@ -199,6 +200,10 @@ def main() -> None:
                          "of device memory (preempting when they run out); 0: slots that fit at full length")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-rows", default="1,2,4,8",
+                    help="parts 1-2: prefill row buckets, from 1, up to prefill-tokens / chunk (each is a compile "
+                         "of the 8B step, ~100-160 s; with fewer, prompts are padded to the next bucket: at the "
+                         "defaults 1,4 saves one compile)")
     ap.add_argument("--cache-dir", default=".jax_cache", help="persistent compilation cache (git-ignored; a warm "
                     "GPU machine keeps it between calls, so the parts can run in separate calls)")
     ap.add_argument("--smoke", action="store_true", help="random:smoke, tiny lengths, CPU")
@@ -256,6 +261,7 @@ def main() -> None:
 
     def details(r: dict) -> dict:
         return {**base, "kv_memory_fraction": args.kv_memory_fraction, "kv_cache_dtype": args.kv_cache_dtype,
+                "chunk": args.chunk, "prefill_tokens": args.prefill_tokens, "prefill_rows": args.prefill_rows,
                 **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps",
                                              "device_wait_fraction", "decode_step_alone_s") if k in r}}
@@ -265,7 +271,8 @@ def main() -> None:
     if {"offline", "concurrency"} & parts or peer is not None:
         engine = build(engine_config(model, args.requests, args.input_len, args.output_len, args.reserve, args.chunk,
                                      args.prefill_tokens, tuple(concurrency) + (args.peer_requests,), args.cache_dir,
-                                     args.kv_memory_fraction, args.kv_cache_dtype))
+                                     args.kv_memory_fraction, args.kv_cache_dtype,
+                                     tuple(int(r) for r in args.prefill_rows.split(","))))
         runs: dict[int, dict] = {}
 
         def at(requests: int) -> dict:
