@@ -125,18 +125,19 @@ def mma_overlapped(q_ref: Any, k_ref: Any, acc: jax.Array, p: jax.Array, v_ref: 
     return tuple(out), acc
 
 
-def online_softmax(s: jax.Array, m: jax.Array, denom: jax.Array, c: float):
-    """One block of the online softmax in base 2: raw scores s (masked keys -inf), m = running max of s·c.
+def online_softmax(s: jax.Array, m: jax.Array, denom: jax.Array, c: float, axis: int = 1):
+    """One block of the online softmax in base 2: raw scores s (masked keys -inf), keys along `axis` of the 2-D
+    s, m = running max of s·c.
 
     Returns (p, m, denom, alpha): alpha rescales what was accumulated under the old m. The max is
     taken of the raw scores, so p = 2^(s·c - m) is one fused multiply-add per score.
     """
     if c <= 0:  # a non-positive scale reverses the max: scale first, keeping masked keys at -inf
         s, c = jnp.where(s == -jnp.inf, s, s * c), 1.0
-    m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)
+    m_new = jnp.maximum(m, jnp.max(s, axis=axis) * c)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    return p, m_new, denom * alpha + jnp.sum(p, axis=1), alpha
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [1 - axis]))
+    return p, m_new, denom * alpha + jnp.sum(p, axis=axis), alpha
 
 
 def converted(tile: Any, stage: Any, free: Any, *, interpreted: bool, rows: int | None = None) -> Any:

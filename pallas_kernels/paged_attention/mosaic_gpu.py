@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,7 @@ from pallas_kernels.flash_attention.mosaic_gpu import (
     mma_accumulate,
     mma_transforms,
     mma_transposed,
+    online_softmax,
     operand_dtypes,
     reads_float8_pages,  # noqa: F401  (this backend's answer to paged_attention.reads_float8_pages)
     with_layout,
@@ -48,6 +50,7 @@ from pallas_kernels.paged_attention.reference import combine_splits
 _LOG2E = math.log2(math.e)
 _NEG = -1e30
 NUM_SMS = 132  # H100 SXM; only sets how finely short batches are split
+QN = 16  # query rows of a transposed program: the wgmma N
 CONVERTER_REGISTERS = 112  # per thread of the converting warpgroup: 64 x head_dim values at a time
 
 
@@ -64,6 +67,21 @@ class BlockSizes:
     # 8-bit pages: a third warpgroup converts the ring's tiles into a ring of two float16 tiles while the
     # compute warpgroup works on the previous block (False: the compute warpgroup converts them itself)
     convert_warpgroup: bool = False
+    # Scores as K·qᵀ: the block's keys are the wgmma M and the query group (up to 16 rows) its N, so the softmax
+    # works on block_k x 16 values instead of 64 x block_k; P goes through shared memory and the output comes
+    # out transposed. V's tiles then take a 32-byte swizzle (wgmma wants P's, and a 16-wide tile allows no more).
+    transposed: bool = False
+
+
+def mma_values_transposed(acc: jax.Array, v_ref: Any, p_ref: Any, *, interpreted: bool) -> jax.Array:
+    """acc + v_refᵀ @ p_ref: oᵀ [hd, 16] += Vᵀ [hd, bk] · P [bk, 16], by wgmma with V as the transposed A."""
+    if interpreted:
+        return acc + lax.dot_general(v_ref[...], p_ref[...], (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def accumulate(ref):
+        plgpu.wgmma(ref, v_ref.transpose((1, 0)), p_ref)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
 def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int:
@@ -102,9 +120,11 @@ def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool
     out_itemsize = 4 if partial else itemsize
     kv_itemsize = kv_itemsize or itemsize
     staged = stage_depth(bs) * 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
-    lse = ROWS * 4 if partial else 0
-    return (slots * ROWS * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * kv_itemsize + staged
-            + lse + SMEM_RESERVE)
+    rows = QN if bs.transposed else ROWS
+    lse = rows * 4 if partial else 0
+    p_tile = bs.block_k * QN * itemsize if bs.transposed else 0
+    return (slots * rows * hd * (itemsize + out_itemsize) + 2 * bs.stages * bs.block_k * hd * kv_itemsize + staged
+            + lse + p_tile + SMEM_RESERVE)
 
 
 CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
@@ -160,7 +180,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             split_len: int, slots: int, bs: BlockSizes, partial: bool, staged: bool, interpreted: bool):
     # q_ref: [n >= b * heads, hd] the queries, head-major per slot (n a multiple of 8)
     # k_ref, v_ref: [kv_heads, pages, ps, hd]; table_ref: [b, pages_per_row]; len_ref: [b]
-    # outputs: o [n, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32)
+    # outputs: o [n, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32); transposed
+    # (bs.transposed): o [b, kv_heads, hd, 16] or (o [b, kv_heads, splits, hd, 16] f32, lse [b, kv_heads, splits, 16])
     # rows: query_rows(group); row `offset + r` of a q tile holds query head kvh * group + r for r < group
     # slots: consecutive batch slots this program runs one after another, its K/V ring streaming across them
     # 8-bit pages land in the ring as they are; the compute warpgroup converts each tile into k_stage or
@@ -172,6 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     lse_ref, *refs = refs if partial else (None, *refs)
     q_smem, k_smem, v_smem, o_smem, *refs = refs
     lse_smem, *refs = refs if partial else (None, *refs)
+    p_smem, *refs = refs if bs.transposed else (None, *refs)
     k_stage, v_stage, *refs = refs if staged else (None, None, *refs)
     q_bar, k_bar, v_bar, k_free, v_free, *refs = refs
     convert = staged and bs.convert_warpgroup
@@ -282,7 +304,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_smem.at[i, pl.ds(0, rows)], q_bar.at[i])
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
-        col = wgmma(lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
+        tr = bs.transposed
+        col_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(0), interpreted=interpreted)
+        # each score's key within the block: along the rows of sᵀ = K·qᵀ, the columns of s = q·Kᵀ
+        key = wgmma(lax.broadcasted_iota(jnp.int32, (bk, QN), 0) if tr else lax.broadcasted_iota(jnp.int32, (ROWS, bk), 1))
         hd = q_smem.shape[-1]
         count = jnp.int32(0)
 
@@ -315,33 +340,48 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 if masked:  # the block crossing the slot's length: V past it may be stale NaN
                     v_tile = v_operand()
                     zero_rows_from(v_tile, length - begin - j * bk, interpreted=interpreted)
-                s = mma_transposed(q_tile, k_operand(), interpreted=interpreted) * (scale * _LOG2E)
+                # s = q·Kᵀ [64, bk], or transposed sᵀ = K·qᵀ [bk, 16]: keys along `axis`
+                s = mma_transposed(k_operand(), q_tile, interpreted=interpreted) if tr else \
+                    mma_transposed(q_tile, k_operand(), interpreted=interpreted)
                 release(k_free, k_done, slot, st)
                 if masked:
-                    s = jnp.where(begin + j * bk + col < length, s, -jnp.inf)
-                m_new = jnp.maximum(m, jnp.max(s, axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                denom = denom * alpha + jnp.sum(p, axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    s = jnp.where(begin + j * bk + key < length, s, -jnp.inf)
+                p, m, denom, alpha = online_softmax(s, m, denom, scale * _LOG2E, axis=0 if tr else 1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 if tr else 0])
                 if not masked:
                     v_tile = v_operand()
-                acc = mma_accumulate(acc, p.astype(q_smem.dtype), v_tile, interpreted=interpreted)
+                if tr:  # oᵀ += Vᵀ·P, P from shared memory
+                    p_smem[...] = p.astype(p_smem.dtype)
+                    plgpu.commit_smem()
+                    acc = mma_values_transposed(acc, v_tile, p_smem, interpreted=interpreted)
+                else:
+                    acc = mma_accumulate(acc, p.astype(q_smem.dtype), v_tile, interpreted=interpreted)
                 release(v_free, v_done, slot, st)
-                return m_new, denom, acc
+                return m, denom, acc
 
-            m = row_vec(jnp.full((ROWS,), _NEG, jnp.float32))
-            denom = row_vec(jnp.full((ROWS,), 0.0, jnp.float32))
-            acc = wgmma(jnp.full((ROWS, hd), 0.0, jnp.float32))
+            vec = col_vec if tr else row_vec
+            n_q = QN if tr else ROWS
+            m = vec(jnp.full((n_q,), _NEG, jnp.float32))
+            denom = vec(jnp.full((n_q,), 0.0, jnp.float32))
+            acc = wgmma(jnp.full((hd, QN) if tr else (ROWS, hd), 0.0, jnp.float32))
             carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
             m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
             count = count + num_blocks
-            out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [0])
+            out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [1 if tr else 0])
             o_smem.at[i][...] = out.astype(o_smem.dtype)
             if partial:
                 lse_smem[...] = m + jnp.log2(denom)
             plgpu.commit_smem()
-            if partial:
+            if tr:  # the whole [hd, 16] tile out; the group's columns are picked after the call
+                dst = o_ref.at[b, kvh, split] if partial else o_ref.at[b, kvh]
+                if partial:
+                    plgpu.copy_smem_to_gmem(o_smem.at[i], dst)
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
+                else:
+                    @pl.when(lax.axis_index("b") * slots + i < batch)
+                    def _(i=i, dst=dst):
+                        plgpu.copy_smem_to_gmem(o_smem.at[i], dst)
+            elif partial:
                 plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(offset, group)], o_ref.at[b, kvh, split])
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
             else:
@@ -371,6 +411,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         raise ValueError(f"head_dim={hd} must be a multiple of 64 and at most 256 for Mosaic GPU")
     if group > 32:
         raise ValueError(f"the GQA group heads//kv_heads={group} must be at most 32 for Mosaic GPU")
+    if bs.transposed and query_rows(group) > QN:
+        raise ValueError(f"transposed scores take at most {QN} query rows: the GQA group heads//kv_heads={group} "
+                         f"loads {query_rows(group)}")
     if ps % 8 or (ps < bs.block_k and bs.block_k % ps) or (ps > bs.block_k and ps % bs.block_k):
         raise ValueError(f"page_size={ps} and block_k={bs.block_k} must divide one another (and page_size % 8 == 0)")
     if bs.block_k % 64:
@@ -401,21 +444,29 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     if staged and bs.convert_warpgroup:  # k_ready, v_ready, k_done, v_done over the two converted tiles
         barriers = (*barriers, *(plgpu.Barrier(num_arrivals=1, num_barriers=CONVERTED_TILES) for _ in range(4)))
     kv_tr = mma_transforms(kv_dtype)
+    transposed, n_q = bs.transposed, (QN if bs.transposed else ROWS)
+    # Transposed, V·P's two shared-memory operands take P's 32-byte swizzle: V's ring (or its converted tiles)
+    p_tr = (plgpu.TilingTransform((8, 32 // itemsize)), plgpu.SwizzleTransform(32))
+    o_dtype = jnp.float32 if partial else dtype
     smem = (
-        plgpu.SMEM((slots, ROWS, hd), dtype, transforms=tr),
+        plgpu.SMEM((slots, n_q, hd), dtype, transforms=tr),
         plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=kv_tr),
-        plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=kv_tr),
-        plgpu.SMEM((slots, ROWS, hd), jnp.float32 if partial else dtype),
+        plgpu.SMEM((bs.stages, bs.block_k, hd), kv_dtype, transforms=p_tr if transposed and not staged else kv_tr),
+        plgpu.SMEM((slots, hd, QN) if transposed else (slots, ROWS, hd), o_dtype),
     )
     if partial:
-        out_type = (jax.ShapeDtypeStruct((b, kv, splits, group, hd), jnp.float32),
-                    jax.ShapeDtypeStruct((b, kv, splits, ROWS), jnp.float32))
-        smem = (*smem, plgpu.SMEM((ROWS,), jnp.float32))
+        out_type = (jax.ShapeDtypeStruct((b, kv, splits, hd, QN) if transposed else (b, kv, splits, group, hd),
+                                         jnp.float32),
+                    jax.ShapeDtypeStruct((b, kv, splits, n_q), jnp.float32))
+        smem = (*smem, plgpu.SMEM((n_q,), jnp.float32))
     else:
-        out_type = jax.ShapeDtypeStruct((n_rows, hd), dtype)
+        out_type = jax.ShapeDtypeStruct((b, kv, hd, QN) if transposed else (n_rows, hd), dtype)
+    if transposed:
+        smem = (*smem, plgpu.SMEM((bs.block_k, QN), dtype, transforms=p_tr))
     if staged:
         depth = (stage_depth(bs),) if bs.convert_warpgroup else ()
-        smem = (*smem, *(plgpu.SMEM((*depth, bs.block_k, hd), dtype, transforms=tr) for _ in range(2)))
+        smem = (*smem, *(plgpu.SMEM((*depth, bs.block_k, hd), dtype, transforms=t)
+                         for t in (tr, p_tr if transposed else tr)))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, slots=slots, bs=bs,
@@ -431,17 +482,28 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     )
     k_pages, v_pages = k_pages.astype(kv_dtype), v_pages.astype(kv_dtype)
     out = kernel(q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32))
-    if not partial:
+    if not partial and not transposed:
         out = out if n_rows == b * h else out[:b * h]
         return out.reshape(b, h, hd).astype(q.dtype)
-    o_part, lse_part = out
     starts = (np.arange(b)[:, None] * kv + np.arange(kv)[None, :]) * group
-    offsets = starts - first_row(starts, n_rows, rows, np)  # where each group sits in its 64 rows
-    # The offsets are known here, and few differ (a group starts at most 8 rows into its tile): a select
-    # among static slices fuses into the combine, where a gather by the offsets was a kernel of its own.
-    lse = None
-    for off in np.unique(offsets):
-        piece = lse_part[..., off:off + group]
-        lse = piece if lse is None else jnp.where(jnp.asarray(offsets == off)[:, :, None, None], piece, lse)
-    o = combine_splits(o_part, lse, base2=True)
+    offsets = starts - first_row(starts, n_rows, rows, np)  # where each group sits in its loaded rows
+    pick = functools.partial(group_columns, offsets=offsets, group=group)
+    if not partial:  # [b, kv, hd, 16] -> the group's columns, transposed back: [b, kv, group, hd]
+        return jnp.swapaxes(pick(out), -1, -2).reshape(b, h, hd).astype(q.dtype)
+    o_part, lse_part = out
+    if transposed:
+        o_part = jnp.swapaxes(pick(o_part), -1, -2)
+    o = combine_splits(o_part, pick(lse_part), base2=True)
     return o.reshape(b, h, hd).astype(q.dtype)
+
+
+def group_columns(x: jax.Array, *, offsets: np.ndarray, group: int) -> jax.Array:
+    """x [b, kv, ..., rows] with each program's group at offsets[b, kv] along the last axis -> [..., group].
+    The offsets are known here, and few differ (a group starts at most 8 rows into its load): a select among
+    static slices fuses into what follows, where a gather by the offsets was a kernel of its own."""
+    out = None
+    for off in np.unique(offsets):
+        piece = x[..., off:off + group]
+        mask = jnp.asarray(offsets == off).reshape(offsets.shape + (1,) * (x.ndim - 2))
+        out = piece if out is None else jnp.where(mask, piece, out)
+    return out
