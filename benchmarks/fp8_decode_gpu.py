@@ -1,11 +1,12 @@
-"""Paged decode attention over float8_e4m3fn pages on the H100: who converts the 8-bit tiles.
+"""Paged decode attention variants on the H100: who converts float8 pages' 8-bit tiles, and scores as K·qᵀ.
 
-In one run, per (batch, context): the Mosaic GPU decode kernel over bf16 pages (its default tiling),
-over float8 pages with the compute warpgroup converting each tile (the default until this run), and
-with a third warpgroup converting one block ahead (`BlockSizes.convert_warpgroup`) in a few tilings.
+In one run, per (batch, context): the Mosaic GPU decode kernel over bf16 pages (its default tiling, and with
+transposed scores: `BlockSizes.transposed`, the query group as the wgmma N), over float8 pages with the
+compute warpgroup converting each tile (the default until session 11), with a third warpgroup converting one
+block ahead (`BlockSizes.convert_warpgroup`, the default since), and both with transposed scores.
 Each is 20 calls in one jit, timed; rows give K/V bytes over time against the device copy measured in
-the same run, and the ratio against the compute-warpgroup conversion. Outputs are checked against
-the reference where the inputs are small.
+the same run, and the ratio against the variant's baseline (bf16: the default; float8: the compute warpgroup
+converting). Outputs are checked against the reference where the inputs are small.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_gpu.py [--shapes 128x2048,256x1536]
     .venv/bin/python benchmarks/fp8_decode_gpu.py --smoke      # interpreted on CPU, tiny shapes
@@ -30,21 +31,26 @@ from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E40
 from pallas_kernels.paged_attention import reference as decode_ref  # noqa: E402
 
 BS = decode_gpu.BlockSizes
-VARIANTS = {  # name: (page dtype, tiling)
-    "bf16 pages": (jnp.bfloat16, BS()),
-    "fp8, compute WG converts": (jnp.float8_e4m3fn, BS()),
-    "fp8, compute WG converts, bk64": (jnp.float8_e4m3fn, BS(block_k=64, stages=3)),
-    "fp8, converter WG, bk64 st2": (jnp.float8_e4m3fn, BS(block_k=64, stages=2, convert_warpgroup=True)),
-    "fp8, converter WG, bk64 st3": (jnp.float8_e4m3fn, BS(block_k=64, stages=3, convert_warpgroup=True)),
-    "fp8, converter WG, bk128 st2": (jnp.float8_e4m3fn, BS(block_k=128, stages=2, slots_per_program=1,
-                                                           convert_warpgroup=True)),
+FP8 = jnp.float8_e4m3fn
+# name: (page dtype, tiling, the variant it is compared with); tiling None: the kernel's default (fp8-default:
+# the converting warpgroup over 128-token blocks where it fits); fp8-compute-wg: the default before session 11
+VARIANTS = {
+    "bf16": (jnp.bfloat16, None, "bf16"),
+    "bf16-transposed": (jnp.bfloat16, BS(transposed=True), "bf16"),
+    "fp8-compute-wg": (FP8, BS(), "fp8-compute-wg"),
+    "fp8-default": (FP8, None, "fp8-compute-wg"),
+    "fp8-transposed": (FP8, BS(transposed=True), "fp8-compute-wg"),
+    "fp8-converter-wg-transposed": (FP8, BS(convert_warpgroup=True, transposed=True), "fp8-compute-wg"),
+    "fp8-converter-wg-transposed-bk64": (FP8, BS(block_k=64, stages=3, convert_warpgroup=True, transposed=True),
+                                         "fp8-compute-wg"),
 }
-BASELINE = "fp8, compute WG converts"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="128x2048,256x1536,32x8192,8x8192", help="batch x context, comma-separated")
+    ap.add_argument("--shapes", default="256x1536,128x2048,32x8192,8x8192,1x8192",
+                    help="batch x context, comma-separated")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.jsonl")
     args = ap.parse_args()
@@ -66,7 +72,8 @@ def main() -> None:
         table = jnp.asarray(testing.random_page_table(rng, batch, pages, batch * pages))
         lengths = jnp.full((batch,), ctx - 1, jnp.int32)  # the last block partial: its masked path runs
         times, expected = {}, {}  # the reference's output per page dtype, computed once
-        for name, (dtype, bs) in VARIANTS.items():
+        for name in args.variants.split(","):
+            dtype, bs, baseline = VARIANTS[name]
             kp, vp = k16.astype(dtype), v16.astype(dtype)
             nbytes = 2 * batch * ctx * kv * hd * jnp.dtype(dtype).itemsize
             call = functools.partial(decode_gpu.paged_attention, block_sizes=bs, interpret=interpret)
@@ -80,16 +87,15 @@ def main() -> None:
                 print(f"  {shape} {name}: failed {type(e).__name__}: {str(e)[:400]}", flush=True)
                 continue
             times[name] = t
-            base = times.get(BASELINE)
+            base = times.get(baseline)
             config = dict(timing=f"{reps} calls in one jit", batch=batch, context=ctx, heads=heads, kv_heads=kv,
                           head_dim=hd, page_size=ps, kv_dtype=jnp.dtype(dtype).name, variant=name,
-                          block_k=bs.block_k, stages=bs.stages, convert_warpgroup=bs.convert_warpgroup,
-                          slots_per_program=bs.slots_per_program or "default", err_vs_reference=err,
-                          seconds=t, speedup_vs_compute_wg_conversion=(base / t) if base else None)
+                          block_sizes=str(bs) if bs else "default", err_vs_reference=err, seconds=t,
+                          compared_with=baseline, speedup=(base / t) if base else None)
             record(args.out, "paged_decode_fp8_conversion", config, "kv_bandwidth", nbytes / t / 1e12, "TB/s",
                    "device_copy", copy_bw / 1e12)
-            line = (f"b{batch:<4d} ctx {ctx:5d}  {name:32s} {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s "
-                    f"({nbytes / t / copy_bw:6.1%} of copy)  vs compute-WG conversion "
+            line = (f"b{batch:<4d} ctx {ctx:5d}  {name:34s} {t * 1e6:8.1f} us  {nbytes / t / 1e12:5.2f} TB/s "
+                    f"({nbytes / t / copy_bw:6.1%} of copy)  vs {baseline:15s} "
                     f"{(base / t) if base else float('nan'):5.2f}x  err {err if err is not None else float('nan'):.1e}")
             print(line, flush=True)
             table_rows.append(line)

@@ -103,10 +103,12 @@ class InterpretSuite(DecodeSuite):
     NAN_CASES = [("bfloat16", 64, 4, 2)]
 
 
-class MosaicGPUFloat8:
+class MosaicGPUOptions:
+    """The Mosaic GPU kernel's tiling options, run by its interpreted and its GPU suites alike."""
+
     def float8_block_sizes(self, case):
-        """Also the kernel's own default for 8-bit pages, and a third warpgroup converting the 8-bit tiles one
-        block ahead over 64- and 128-token blocks."""
+        """Also the kernel's own default for 8-bit pages, a third warpgroup converting the 8-bit tiles one
+        block ahead over 64- and 128-token blocks, and that with transposed scores."""
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
         splits = case[3]
@@ -114,10 +116,35 @@ class MosaicGPUFloat8:
                 BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
                            convert_warpgroup=True),
                 BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
-                           convert_warpgroup=True)]
+                           convert_warpgroup=True),
+                BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
+                           convert_warpgroup=True, transposed=True)]
+
+    @pytest.mark.parametrize("shape", [("bfloat16", 128, 4, 1), ("float32", 64, 2, 3), ("bfloat16", 64, 8, 1),
+                                       ("bfloat16", 128, 1, 3)], ids=lambda c: "-".join(map(str, c)))
+    def test_transposed_scores(self, shape):
+        """Scores as K·qᵀ (the group as the wgmma N): ragged slots, stale NaN past the lengths, split and not."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        splits = shape[3]
+        bs = BlockSizes(block_k=64, stages=2, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
+                        transposed=True)
+        self.check_ragged_slots(shape, stale_nan=True, block_sizes=bs)
+
+    @pytest.mark.parametrize("heads", [12, 16, 17])
+    def test_transposed_groups_up_to_16(self, heads):
+        """Groups of 12 and 16 load 16 rows; one of 17 is refused by name."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        bs = BlockSizes(block_k=64, stages=2, num_splits=1, transposed=True)
+        if heads > 16:
+            with pytest.raises(ValueError, match="group heads//kv_heads=17"):
+                self.check_ragged_slots(("bfloat16", 64, heads, 1), stale_nan=False, block_sizes=bs)
+            return
+        self.check_ragged_slots(("bfloat16", 64, heads, 1), stale_nan=False, block_sizes=bs)
 
 
-class TestMosaicGPUInterpret(MosaicGPUFloat8, InterpretSuite):
+class TestMosaicGPUInterpret(MosaicGPUOptions, InterpretSuite):
     backend = "mosaic_gpu"
 
     def block_sizes(self, case):
@@ -227,7 +254,7 @@ class TestMosaicTPUInterpret(InterpretSuite):
 
 
 @pytest.mark.gpu
-class TestMosaicGPU(MosaicGPUFloat8, DecodeSuite):
+class TestMosaicGPU(MosaicGPUOptions, DecodeSuite):
     backend = "mosaic_gpu"
     interpret = False
 
