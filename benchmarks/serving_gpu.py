@@ -295,6 +295,14 @@ def main() -> None:
             row = record(out, "offline_throughput", details(ours), "output_tokens_per_s", ours["output_tokens_per_s"],
                          "tok/s")
             table.append(("offline throughput", row))
+            if peer is not None:  # the whole load against the peer's rate: it runs any load batch after batch
+                row = record(out, "offline_throughput_vs_transformers_rate",
+                             {**details(ours), "peer_batch": args.peer_batch, "peer_requests": args.peer_requests,
+                              "peer": f"transformers generate out of the box, greedy, same GPU, own process, timed on "
+                                      f"{args.peer_requests} of the requests in batches of {args.peer_batch}: "
+                                      f"{args.requests} take {args.requests / args.peer_requests:g}x as long"},
+                             "output_tokens_per_s", ours["output_tokens_per_s"], "tok/s", "transformers", peer)
+                table.append(("offline (all) vs transformers rate", row))
         for c in concurrency:
             r = at(c)
             lat = {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s")}
@@ -316,10 +324,10 @@ def main() -> None:
                                                       "ttft_s", ttft, "s", "compute_floor", floor,
                                                       higher_is_better=False)))
 
-    print(f"\n{'figure':<26}{'value':>12} {'unit':<7}{'baseline':>12}{'ratio':>8}")
+    print(f"\n{'figure':<36}{'value':>12} {'unit':<7}{'baseline':>12}{'ratio':>8}")
     for name, row in table:
         base_v = row.get("baseline_value")
-        print(f"{name:<26}{row['value']:>12.4g} {row['unit']:<7}{(base_v or float('nan')):>12.4g}"
+        print(f"{name:<36}{row['value']:>12.4g} {row['unit']:<7}{(base_v or float('nan')):>12.4g}"
               f"{row.get('ratio', float('nan')):>8.2f}")
 
 
