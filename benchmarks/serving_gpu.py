@@ -226,6 +226,9 @@ def main() -> None:
     parts = set(args.parts.split(",")) - {""}
     if parts - PARTS:
         raise SystemExit(f"--parts {args.parts!r}: unknown {sorted(parts - PARTS)}; choose from {sorted(PARTS)}")
+    if "peer" in parts and args.peer_requests % min(args.peer_batch, args.peer_requests):
+        raise SystemExit(f"--peer-requests {args.peer_requests} must be a multiple of --peer-batch {args.peer_batch}: "
+                         "a partial last batch would understate the peer's rate")
     peer = peer_in_subprocess(args) if "peer" in parts and args.peer_requests else None
 
     import jax
@@ -296,11 +299,13 @@ def main() -> None:
                          "tok/s")
             table.append(("offline throughput", row))
             if peer is not None:  # the whole load against the peer's rate: it runs any load batch after batch
+                batch = min(args.peer_batch, args.peer_requests)
                 row = record(out, "offline_throughput_vs_transformers_rate",
-                             {**details(ours), "peer_batch": args.peer_batch, "peer_requests": args.peer_requests,
+                             {**details(ours), "peer_batch": batch, "peer_requests": args.peer_requests,
                               "peer": f"transformers generate out of the box, greedy, same GPU, own process, timed on "
-                                      f"{args.peer_requests} of the requests in batches of {args.peer_batch}: "
-                                      f"{args.requests} take {args.requests / args.peer_requests:g}x as long"},
+                                      f"{args.peer_requests} of the requests in batches of {batch}; its rate on the "
+                                      f"whole load in such batches is the same; ours runs up to {engine.cfg.max_slots} "
+                                      f"at once"},
                              "output_tokens_per_s", ours["output_tokens_per_s"], "tok/s", "transformers", peer)
                 table.append(("offline (all) vs transformers rate", row))
         for c in concurrency:

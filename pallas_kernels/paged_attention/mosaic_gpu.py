@@ -109,7 +109,7 @@ def split_layout(batch: int, kv_heads: int, max_len: int, bs: BlockSizes) -> tup
 SMEM_BYTES = 227 * 1024  # shared memory one H100 block may use
 # Beside the tiles: barriers and each buffer's alignment. Calibrated on the H100 and the CUDA lowering: the
 # converting warpgroup's 128-token tiling (tiles of 229,376 bytes) runs; head_dim 256 split over 64-token blocks
-# (229,376 bytes of tiles and 256 of log-sum-exp) needs 232,520 in all, past the limit.
+# (229,376 bytes of tiles and 256 of log-sum-exp, then allocated ahead of the converted tiles) needed 232,520.
 SMEM_RESERVE = 3 * 1024
 
 
@@ -192,9 +192,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     o_ref, *refs = refs
     lse_ref, *refs = refs if partial else (None, *refs)
     q_smem, k_smem, v_smem, o_smem, *refs = refs
-    lse_smem, *refs = refs if partial else (None, *refs)
     p_smem, *refs = refs if bs.transposed else (None, *refs)
     k_stage, v_stage, *refs = refs if staged else (None, None, *refs)
+    lse_smem, *refs = refs if partial else (None, *refs)
     q_bar, k_bar, v_bar, k_free, v_free, *refs = refs
     convert = staged and bs.convert_warpgroup
     k_ready, v_ready, k_done, v_done = refs if convert else (None,) * 4
@@ -350,7 +350,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 if tr else 0])
                 if not masked:
                     v_tile = v_operand()
-                if tr:  # oᵀ += Vᵀ·P, P from shared memory
+                if tr:  # oᵀ += Vᵀ·P, P from shared memory (the last block's V·P was awaited: free to overwrite)
                     p_smem[...] = p.astype(p_smem.dtype)
                     plgpu.commit_smem()
                     acc = mma_values_transposed(acc, v_tile, p_smem, interpreted=interpreted)
@@ -458,7 +458,6 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         out_type = (jax.ShapeDtypeStruct((b, kv, splits, hd, QN) if transposed else (b, kv, splits, group, hd),
                                          jnp.float32),
                     jax.ShapeDtypeStruct((b, kv, splits, n_q), jnp.float32))
-        smem = (*smem, plgpu.SMEM((n_q,), jnp.float32))
     else:
         out_type = jax.ShapeDtypeStruct((b, kv, hd, QN) if transposed else (n_rows, hd), dtype)
     if transposed:
@@ -467,6 +466,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         depth = (stage_depth(bs),) if bs.convert_warpgroup else ()
         smem = (*smem, *(plgpu.SMEM((*depth, bs.block_k, hd), dtype, transforms=t)
                          for t in (tr, p_tr if transposed else tr)))
+    if partial:  # last: a small tile ahead of a swizzled one would cost up to 1 KB of alignment
+        smem = (*smem, plgpu.SMEM((n_q,), jnp.float32))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
         functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, slots=slots, bs=bs,

@@ -118,30 +118,34 @@ class MosaicGPUOptions:
                 BlockSizes(block_k=64 if splits > 1 else 128, stages=2, num_splits=splits, slots_per_program=1,
                            convert_warpgroup=True),
                 BlockSizes(block_k=64, stages=3, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
-                           convert_warpgroup=True, transposed=True)]
+                           convert_warpgroup=True, transposed=True),
+                BlockSizes(block_k=128, stages=2, num_splits=splits, slots_per_program=1, transposed=True)]
 
-    @pytest.mark.parametrize("shape", [("bfloat16", 128, 4, 1), ("float32", 64, 2, 3), ("bfloat16", 64, 8, 1),
-                                       ("bfloat16", 128, 1, 3)], ids=lambda c: "-".join(map(str, c)))
+    @pytest.mark.parametrize("shape", [("bfloat16", 128, 4, 1, 64), ("float32", 64, 2, 3, 64), ("bfloat16", 64, 8, 1, 128),
+                                       ("bfloat16", 128, 1, 3, 128)], ids=lambda c: "-".join(map(str, c)))
     def test_transposed_scores(self, shape):
-        """Scores as K·qᵀ (the group as the wgmma N): ragged slots, stale NaN past the lengths, split and not."""
+        """Scores as K·qᵀ (the group as the wgmma N): ragged slots, stale NaN past the lengths, split and not,
+        64- and 128-token blocks."""
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
-        splits = shape[3]
-        bs = BlockSizes(block_k=64, stages=2, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
+        *case, block_k = shape
+        splits = case[3]
+        bs = BlockSizes(block_k=block_k, stages=2, num_splits=splits, slots_per_program=2 if splits == 1 else 1,
                         transposed=True)
-        self.check_ragged_slots(shape, stale_nan=True, block_sizes=bs)
+        self.check_ragged_slots(tuple(case), stale_nan=True, block_sizes=bs)
 
-    @pytest.mark.parametrize("heads", [12, 16, 17])
-    def test_transposed_groups_up_to_16(self, heads):
-        """Groups of 12 and 16 load 16 rows; one of 17 is refused by name."""
+    @pytest.mark.parametrize("group", [12, 16, 11])
+    def test_transposed_query_rows(self, group):
+        """Transposed programs hold 16 query rows: groups of 12 and 16 load 16; one of 11 (which may start 5 rows
+        into an 8-row tile) would load 24 and is refused by name."""
         from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
 
         bs = BlockSizes(block_k=64, stages=2, num_splits=1, transposed=True)
-        if heads > 16:
-            with pytest.raises(ValueError, match="group heads//kv_heads=17"):
-                self.check_ragged_slots(("bfloat16", 64, heads, 1), stale_nan=False, block_sizes=bs)
+        if group == 11:
+            with pytest.raises(ValueError, match="group heads//kv_heads=11 loads 24"):
+                self.check_ragged_slots(("bfloat16", 64, group, 1), stale_nan=False, block_sizes=bs)
             return
-        self.check_ragged_slots(("bfloat16", 64, heads, 1), stale_nan=False, block_sizes=bs)
+        self.check_ragged_slots(("bfloat16", 64, group, 1), stale_nan=False, block_sizes=bs)
 
 
 class TestMosaicGPUInterpret(MosaicGPUOptions, InterpretSuite):
@@ -153,8 +157,9 @@ class TestMosaicGPUInterpret(MosaicGPUOptions, InterpretSuite):
 
         return BlockSizes(num_splits=case[3], slots_per_program=2 if case[3] == 1 else 1)
 
+    @pytest.mark.parametrize("transposed", [False, True])
     @pytest.mark.parametrize("heads,kv,slots,splits", [(4, 1, 2, 1), (9, 3, 1, 1), (6, 1, 1, 2)])
-    def test_odd_shapes(self, heads, kv, slots, splits):
+    def test_odd_shapes(self, heads, kv, slots, splits, transposed):
         """Three slots over 64-token blocks, stale NaN past each length.
         (4, 1, 2 slots): the K/V ring crosses from one slot into the next mid-ring, and the second program's
         second slot lies past the batch and writes nothing. (9, 3): groups of 3 load 16 rows and the last
@@ -170,7 +175,7 @@ class TestMosaicGPUInterpret(MosaicGPUOptions, InterpretSuite):
         kp, table = testing.poison_unused(rng, np.asarray(kp), table, lengths)
         vp, _ = testing.poison_unused(rng, np.asarray(vp), table, lengths)
         kp, vp, table = jnp.asarray(kp, jnp.bfloat16), jnp.asarray(vp, jnp.bfloat16), jnp.asarray(table)
-        bs = BlockSizes(block_k=64, stages=2, slots_per_program=slots, num_splits=splits)
+        bs = BlockSizes(block_k=64, stages=2, slots_per_program=slots, num_splits=splits, transposed=transposed)
         out = paged_attention(q, kp, vp, table, jnp.asarray(lengths), backend=self.backend, interpret=True,
                               block_sizes=bs)
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), np.asarray(table))
