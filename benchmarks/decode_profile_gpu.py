@@ -159,12 +159,15 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"{jax.devices()[0]} jax {jax.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
-    variants = {"bfloat16": lambda: bf16, "int8": lambda: quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16),
-                "float8-kv": lambda: bf16}  # bfloat16 weights over float8_e4m3fn KV pages
-    kv_dtypes = {"float8-kv": jnp.float8_e4m3fn}
+    variants = {  # name: (weights, KV page dtype)
+        "bfloat16": (lambda: bf16, jnp.bfloat16),
+        "int8": (lambda: quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16), jnp.bfloat16),
+        "float8-kv": (lambda: bf16, jnp.float8_e4m3fn),
+    }
     table = []
     for name in args.variants.split(","):
-        weights, kv_dtype = variants[name](), kv_dtypes.get(name, jnp.bfloat16)
+        make_weights, kv_dtype = variants[name]
+        weights = make_weights()
         for batch in [int(b) for b in args.batches.split(",")]:
             floor = step_bytes(cfg, weights, batch, args.context, jnp.dtype(kv_dtype).itemsize) / copy_bw
             steps = tuple(int(n) for n in args.steps.split(","))

@@ -51,6 +51,7 @@ _LOG2E = math.log2(math.e)
 _NEG = -1e30
 NUM_SMS = 132  # H100 SXM; only sets how finely short batches are split
 QN = 16  # query rows of a transposed program: the wgmma N
+CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
 CONVERTER_REGISTERS = 112  # per thread of the converting warpgroup: 64 x head_dim values at a time
 
 
@@ -119,7 +120,8 @@ def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool
     (one of each, or two with a converting warpgroup)."""
     out_itemsize = 4 if partial else itemsize
     kv_itemsize = kv_itemsize or itemsize
-    staged = stage_depth(bs) * 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
+    depth = CONVERTED_TILES if bs.convert_warpgroup else 1
+    staged = depth * 2 * bs.block_k * hd * itemsize if kv_itemsize < itemsize else 0
     rows = QN if bs.transposed else ROWS
     lse = rows * 4 if partial else 0
     p_tile = bs.block_k * QN * itemsize if bs.transposed else 0
@@ -127,19 +129,12 @@ def smem_bytes(slots: int, hd: int, bs: BlockSizes, itemsize: int, partial: bool
             + lse + p_tile + SMEM_RESERVE)
 
 
-CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
-
-
-def stage_depth(bs: BlockSizes) -> int:
-    """Converted K (and V) tiles a program holds."""
-    return CONVERTED_TILES if bs.convert_warpgroup else 1
-
-
-def fits(bs: BlockSizes, batch: int, kv_heads: int, max_len: int, hd: int, itemsize: int, kv_itemsize: int) -> bool:
-    """Whether a call's tiling fits in shared memory, with the slots per program the call would use."""
-    splits = split_layout(batch, kv_heads, max_len, bs)[0]
+def resolve(bs: BlockSizes, batch: int, kv_heads: int, max_len: int, hd: int, itemsize: int,
+            kv_itemsize: int) -> tuple[int, int, int, int]:
+    """(splits, tokens per split, slots per program, shared memory in bytes) of a call under tiling `bs`."""
+    splits, split_len = split_layout(batch, kv_heads, max_len, bs)
     slots = bs.slots_per_program or default_slots(batch, kv_heads, splits, hd, bs, itemsize, kv_itemsize)
-    return smem_bytes(slots, hd, bs, itemsize, partial=splits > 1, kv_itemsize=kv_itemsize) <= SMEM_BYTES
+    return splits, split_len, slots, smem_bytes(slots, hd, bs, itemsize, partial=splits > 1, kv_itemsize=kv_itemsize)
 
 
 def float8_block_sizes(batch: int, kv_heads: int, max_len: int, hd: int, itemsize: int) -> BlockSizes:
@@ -152,7 +147,7 @@ def float8_block_sizes(batch: int, kv_heads: int, max_len: int, hd: int, itemsiz
     candidates = (BlockSizes(block_k=128, stages=2, slots_per_program=1, convert_warpgroup=True), BlockSizes(),
                   BlockSizes(block_k=64, stages=2))
     for bs in candidates:
-        if fits(bs, batch, kv_heads, max_len, hd, itemsize, 1):
+        if resolve(bs, batch, kv_heads, max_len, hd, itemsize, 1)[3] <= SMEM_BYTES:
             return bs
     return candidates[-1]  # the call names the shared memory it would need
 
@@ -372,24 +367,17 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             if partial:
                 lse_smem[...] = m + jnp.log2(denom)
             plgpu.commit_smem()
-            if tr:  # the whole [hd, 16] tile out; the group's columns are picked after the call
-                dst = o_ref.at[b, kvh, split] if partial else o_ref.at[b, kvh]
-                if partial:
-                    plgpu.copy_smem_to_gmem(o_smem.at[i], dst)
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
-                else:
-                    @pl.when(lax.axis_index("b") * slots + i < batch)
-                    def _(i=i, dst=dst):
-                        plgpu.copy_smem_to_gmem(o_smem.at[i], dst)
-            elif partial:
-                plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(offset, group)], o_ref.at[b, kvh, split])
+            # transposed: the whole [hd, 16] tile out, the group's columns picked after the call; else its rows
+            src = o_smem.at[i] if tr else o_smem.at[i, pl.ds(offset, group)]
+            if partial:
+                plgpu.copy_smem_to_gmem(src, o_ref.at[b, kvh, split])
                 plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, kvh, split])
             else:
-                valid = lax.axis_index("b") * slots + i < batch
+                dst = o_ref.at[b, kvh] if tr else o_ref.at[pl.ds(start, group)]
 
-                @pl.when(valid)
-                def _(i=i, offset=offset, start=start):
-                    plgpu.copy_smem_to_gmem(o_smem.at[i, pl.ds(offset, group)], o_ref.at[pl.ds(start, group)])
+                @pl.when(lax.axis_index("b") * slots + i < batch)
+                def _(src=src, dst=dst):
+                    plgpu.copy_smem_to_gmem(src, dst)
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -418,11 +406,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         raise ValueError(f"page_size={ps} and block_k={bs.block_k} must divide one another (and page_size % 8 == 0)")
     if bs.block_k % 64:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
-    splits, split_len = split_layout(b, kv, max_len, bs)
-    slots = bs.slots_per_program or default_slots(b, kv, splits, hd, bs, itemsize, kv_itemsize)
+    splits, split_len, slots, need = resolve(bs, b, kv, max_len, hd, itemsize, kv_itemsize)
     if slots not in (1, 2) or (slots > 1 and splits > 1):
         raise ValueError(f"slots_per_program={slots} must be 1 or 2, and 1 when the sequence is split ({splits=})")
-    need = smem_bytes(slots, hd, bs, itemsize, partial=splits > 1, kv_itemsize=kv_itemsize)
     if need > SMEM_BYTES:
         raise ValueError(f"slots_per_program={slots}, stages={bs.stages} and block_k={bs.block_k} at head_dim={hd} "
                          f"need {need} bytes of shared memory, more than {SMEM_BYTES}")
@@ -441,7 +427,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages),
     )
-    if staged and bs.convert_warpgroup:  # k_ready, v_ready, k_done, v_done over the two converted tiles
+    convert = staged and bs.convert_warpgroup
+    if convert:  # k_ready, v_ready, k_done, v_done over the two converted tiles
         barriers = (*barriers, *(plgpu.Barrier(num_arrivals=1, num_barriers=CONVERTED_TILES) for _ in range(4)))
     kv_tr = mma_transforms(kv_dtype)
     transposed, n_q = bs.transposed, (QN if bs.transposed else ROWS)
@@ -463,7 +450,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     if transposed:
         smem = (*smem, plgpu.SMEM((bs.block_k, QN), dtype, transforms=p_tr))
     if staged:
-        depth = (stage_depth(bs),) if bs.convert_warpgroup else ()
+        depth = (CONVERTED_TILES,) if convert else ()
         smem = (*smem, *(plgpu.SMEM((*depth, bs.block_k, hd), dtype, transforms=t)
                          for t in (tr, p_tr if transposed else tr)))
     if partial:  # last: a small tile ahead of a swizzled one would cost up to 1 KB of alignment
@@ -476,7 +463,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         scratch_types=(*smem, *barriers),
         grid=(-(-b // slots), kv, splits),
         grid_names=("b", "kvh", "split"),
-        num_threads=3 if staged and bs.convert_warpgroup else 2,
+        num_threads=3 if convert else 2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=params,
