@@ -79,7 +79,7 @@ def main() -> None:
             kp, vp = k16.astype(dtype), v16.astype(dtype)
             nbytes = 2 * batch * ctx * kv * hd * jnp.dtype(dtype).itemsize
             if bs is None and dtype == FP8:  # the default, resolved as the kernel resolves it, for the record
-                bs = decode_gpu.float8_block_sizes(batch, kv, ctx, hd, 2)
+                bs = decode_gpu.float8_block_sizes(batch, kv, heads // kv, ctx, hd, 2)
             call = functools.partial(decode_gpu.paged_attention, block_sizes=bs, interpret=interpret)
             try:
                 out = jax.jit(call)(q, kp, vp, table, lengths)

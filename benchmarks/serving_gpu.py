@@ -251,7 +251,9 @@ def main() -> None:
         print(f"  {requests} x {input_len}/{output_len}: {result['output_tokens_per_s']:.0f} tok/s, "
               f"{engine.cfg.max_slots} slots, wall {result['wall_s']:.1f} s, steps {result['engine_steps']}, "
               f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {result['itl_p50_s'] * 1e3:.1f} ms, "
-              f"waiting on the device {result['device_wait_fraction']:.0%}", flush=True)
+              f"waiting on the device {result['device_wait_fraction']:.0%}, host: schedule "
+              f"{result['schedule_fraction']:.0%} dispatch {result['dispatch_fraction']:.0%} commit "
+              f"{result['commit_fraction']:.0%}", flush=True)
         return result
 
     def build(ecfg):
@@ -267,7 +269,8 @@ def main() -> None:
                 "chunk": args.chunk, "prefill_tokens": args.prefill_tokens, "prefill_rows": args.prefill_rows,
                 **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps",
-                                             "device_wait_fraction", "decode_step_alone_s") if k in r}}
+                                             "device_wait_fraction", "schedule_fraction", "dispatch_fraction",
+                                             "commit_fraction", "decode_step_alone_s") if k in r}}
 
     # 1 and 2 run through one engine sized for the offline load, compiled once.
     concurrency = [int(x) for x in args.concurrency.split(",") if x] if "concurrency" in parts else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
@@ -71,7 +72,8 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
     vocab = engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    preempted, steps, waited = engine.scheduler.num_preemptions, engine.stats.steps, engine.stats.device_wait_s
+    preempted, steps = engine.scheduler.num_preemptions, engine.stats.steps
+    before = dataclasses.replace(engine.stats)
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start
@@ -88,7 +90,10 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
         "engine_steps": engine.stats.steps - steps, "max_slots": engine.cfg.max_slots,
         # the share of the wall time the engine thread waited on the device; the rest is host work that the
         # device overlaps only while a dispatched step is still running
-        "device_wait_fraction": (engine.stats.device_wait_s - waited) / wall,
+        "device_wait_fraction": (engine.stats.device_wait_s - before.device_wait_s) / wall,
+        # and the host work by part, as shares of the wall time
+        **{f"{part}_fraction": (getattr(engine.stats, f"{part}_s") - getattr(before, f"{part}_s")) / wall
+           for part in ("schedule", "dispatch", "commit")},
     }
 
 

@@ -34,7 +34,7 @@ def poisoned(tiny):
     return dataclasses.replace(tiny, weights=weights)
 
 
-def drain(box: queue.Queue[Update], timeout: float = 60) -> list[Update]:
+def drain(box: queue.SimpleQueue[Update], timeout: float = 60) -> list[Update]:
     updates = [box.get(timeout=timeout)]
     while updates[-1].finish_reason is None:
         updates.append(box.get(timeout=timeout))

@@ -54,15 +54,14 @@ class StepInput:
             if row is None:
                 continue
             request, start, length = row.request, row.start, row.length
-            ids = request.all_ids
-            known = ids[start:start + length]
+            known = request.known_ids(start, start + length)
             inp.tokens[i, :len(known)] = known
             if len(known) < length:
                 assert len(known) == length - 1 == 0, "only a decode row's one token can be still on the device"
                 inp.feed[i] = True
             assert request.slot is not None
             inp.slots[i] = request.slot
-            inp.positions[i, :length] = np.arange(start, start + length)
+            inp.positions[i, :length] = np.arange(start, start + length) if length > 1 else start
             inp.valid[i, :length] = True
             inp.page_table[i, :len(request.pages)] = request.pages
             inp.last[i] = length - 1

@@ -62,6 +62,10 @@ class EngineStats:
     decode_steps: int = 0
     max_decode_rows: int = 0
     device_wait_s: float = 0.0  # time the engine thread spent blocked on a step's result (the rest is host work)
+    # the host work, by part: planning steps, enqueueing them on the device, committing their results
+    schedule_s: float = 0.0
+    dispatch_s: float = 0.0
+    commit_s: float = 0.0
 
 
 class Engine:
@@ -76,7 +80,7 @@ class Engine:
         self.stats = EngineStats()
         self._arrivals = itertools.count()
         self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
-        self._outboxes: dict[str, queue.Queue[Update]] = {}
+        self._outboxes: dict[str, queue.SimpleQueue[Update]] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
@@ -109,7 +113,7 @@ class Engine:
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
                           frozenset(stop_ids), priority=priority)
         self.scheduler.check_fits(request)
-        self._outboxes[request.request_id] = queue.Queue()
+        self._outboxes[request.request_id] = queue.SimpleQueue()
         self._requests[request.request_id] = request  # so that a cancel right after submit is not lost
         self._inbox.put(("add", request))
         return request
@@ -119,7 +123,7 @@ class Engine:
         if request is not None:
             self._inbox.put(("cancel", request))
 
-    def outbox(self, request_id: str) -> queue.Queue[Update]:
+    def outbox(self, request_id: str) -> queue.SimpleQueue[Update]:
         return self._outboxes[request_id]
 
     def close_outbox(self, request_id: str) -> None:
@@ -204,8 +208,12 @@ class Engine:
         its own pages and whose result is dropped.
         """
         self._drain_inbox()
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
+        planned = time.perf_counter()
         launched = None if plan.empty else self._launch(plan)
+        self.stats.schedule_s += planned - start
+        self.stats.dispatch_s += time.perf_counter() - planned
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._complete(previous)
@@ -242,11 +250,13 @@ class Engine:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""
         start = time.perf_counter()
         outputs = [(rows, result()) for rows, result in dispatched]
-        self.stats.device_wait_s += time.perf_counter() - start
+        read = time.perf_counter()
+        self.stats.device_wait_s += read - start
         for rows, out in outputs:
             for i, chunk in enumerate(rows):
                 if chunk is not None:
                     self._commit(chunk, out, i)
+        self.stats.commit_s += time.perf_counter() - read
 
     def _commit(self, chunk: Chunk, out: StepOutput, row: int) -> None:
         request = chunk.request

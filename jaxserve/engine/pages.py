@@ -6,10 +6,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int, count: int) -> list[int]:
-    """Hash chain of the first `count` full pages: each hash covers the whole prefix up to its page."""
-    hashes, h = [], 0
-    for i in range(count):
+def page_hashes(token_ids: Sequence[int], page_size: int, count: int, known: Sequence[int] = ()) -> list[int]:
+    """Hash chain of the first `count` full pages: each hash covers the whole prefix up to its page. `known`:
+    the chain's first hashes, already computed over the same tokens (only the pages after them are hashed)."""
+    hashes = list(known[:count])
+    h = hashes[-1] if hashes else 0
+    for i in range(len(hashes), count):
         h = hash((h, tuple(token_ids[i * page_size:(i + 1) * page_size])))
         hashes.append(h)
     return hashes

@@ -50,11 +50,21 @@ class Request:
     submitted_at: float = field(default_factory=time.perf_counter)
     scheduled_at: float | None = None  # when it first took a slot
     token_times: list[float] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # prefix hashes of its first full pages (tokens only grow)
 
     @property
     def all_ids(self) -> list[int]:
         """The tokens the host knows: the prompt and the outputs read back so far."""
         return self.prompt_ids + self.output_ids
+
+    def known_ids(self, start: int, stop: int) -> list[int]:
+        """`all_ids[start:stop]` without building the whole list (a decode row needs one token of it)."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p:stop - p]
+        return self.prompt_ids[start:] + self.output_ids[:stop - p]
 
     @property
     def num_tokens(self) -> int:

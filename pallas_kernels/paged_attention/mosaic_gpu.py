@@ -137,15 +137,18 @@ def resolve(bs: BlockSizes, batch: int, kv_heads: int, max_len: int, hd: int, it
     return splits, split_len, slots, smem_bytes(slots, hd, bs, itemsize, partial=splits > 1, kv_itemsize=kv_itemsize)
 
 
-def float8_block_sizes(batch: int, kv_heads: int, max_len: int, hd: int, itemsize: int) -> BlockSizes:
-    """Default tiling over 8-bit pages: a converting warpgroup over 128-token blocks, one slot a program, where
-    that fits in shared memory (unsplit sequences at head_dim 128). On the H100 (benchmarks/fp8_decode_gpu.py)
-    it ran 1.24x (batch 256, 1,536 tokens) and 1.28x (128, 2,048) faster than the compute warpgroup converting.
-    Elsewhere (split sequences at small batch, wider heads: not measured with a converting warpgroup) the compute
-    warpgroup converts, in the first of the default tiling and 64-token blocks that fits (none does for a split
-    sequence at head_dim 256: the call then names the shared memory it needs)."""
-    candidates = (BlockSizes(block_k=128, stages=2, slots_per_program=1, convert_warpgroup=True), BlockSizes(),
-                  BlockSizes(block_k=64, stages=2))
+def float8_block_sizes(batch: int, kv_heads: int, group: int, max_len: int, hd: int, itemsize: int) -> BlockSizes:
+    """Default tiling over 8-bit pages: a converting warpgroup over 128-token blocks, one slot a program, in the
+    first layout that fits in shared memory: query rows (unsplit sequences at head_dim 128), else scores as K·qᵀ
+    (split sequences too: their float32 partials take 16 rows, not 64). On the H100 (benchmarks/fp8_decode_gpu.py,
+    against the compute warpgroup converting) the first ran 1.24x (batch 256, 1,536 tokens), 1.28x (128, 2,048)
+    and 1.30x (32, 8,192) faster, 5 % ahead of the second there; the second 1.23x at batch 8 and 1.13x at batch 1
+    (8,192 tokens, split). Elsewhere (wider heads, groups over 16) the compute warpgroup converts, in the first of
+    the default tiling and 64-token blocks that fits (none does for a split sequence at head_dim 256: the call
+    then names the shared memory it needs)."""
+    converting = BlockSizes(block_k=128, stages=2, slots_per_program=1, convert_warpgroup=True)
+    candidates = (converting, *([dataclasses.replace(converting, transposed=True)] if query_rows(group) <= QN else []),
+                  BlockSizes(), BlockSizes(block_k=64, stages=2))
     for bs in candidates:
         if resolve(bs, batch, kv_heads, max_len, hd, itemsize, 1)[3] <= SMEM_BYTES:
             return bs
@@ -393,7 +396,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     itemsize, kv_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(kv_dtype).itemsize
     max_len = pages_per_row * ps
     if block_sizes is None and staged:
-        block_sizes = float8_block_sizes(b, kv, max_len, hd, itemsize)
+        block_sizes = float8_block_sizes(b, kv, group, max_len, hd, itemsize)
     bs = block_sizes or BlockSizes()
     if hd % 64 or hd > 256:
         raise ValueError(f"head_dim={hd} must be a multiple of 64 and at most 256 for Mosaic GPU")

@@ -199,20 +199,23 @@ class TestMosaicGPUInterpret(MosaicGPUOptions, InterpretSuite):
                 splits, split_len = layout(batch, max_len)
                 assert split_len % 128 == 0 and (splits - 1) * split_len < max_len <= splits * split_len
 
-    @pytest.mark.parametrize("batch,max_len,hd,convert", [(256, 1536, 128, True), (128, 2048, 128, True),
-                                                          (1, 8192, 128, False), (8, 8192, 128, False),
-                                                          (64, 2048, 256, False), (2, 4096, 256, None)])
-    def test_float8_default_tiling(self, batch, max_len, hd, convert):
-        """8-bit pages default to a converting warpgroup over 128-token blocks where it fits (unsplit sequences at
-        head_dim 128); elsewhere the compute warpgroup converts, in a tiling that fits: the call lowers for CUDA,
-        where Mosaic GPU checks the shared memory it allocates, with no block sizes given. A split sequence at
-        head_dim 256 fits in no tiling: the call says so (convert None)."""
+    @pytest.mark.parametrize("batch,heads,max_len,hd,convert,transposed", [
+        (256, 32, 1536, 128, True, False), (128, 32, 2048, 128, True, False), (1, 32, 8192, 128, True, True),
+        (8, 32, 8192, 128, True, True), (1, 192, 8192, 128, False, False), (64, 32, 2048, 256, False, False),
+        (2, 32, 4096, 256, None, False)])
+    def test_float8_default_tiling(self, batch, heads, max_len, hd, convert, transposed):
+        """8-bit pages default to a converting warpgroup over 128-token blocks where it fits: with query rows for
+        unsplit sequences at head_dim 128, with scores as K·qᵀ for split ones (not for a group over 16: 24 here);
+        elsewhere the compute warpgroup converts, in a tiling that fits: the call lowers for CUDA, where Mosaic GPU
+        checks the shared memory it allocates, with no block sizes given. A split sequence at head_dim 256 fits in
+        no tiling: the call says so (convert None)."""
         from jax import export
 
         from pallas_kernels.paged_attention.mosaic_gpu import float8_block_sizes
 
-        assert float8_block_sizes(batch, 8, max_len, hd, 2).convert_warpgroup == bool(convert)
-        q = jax.ShapeDtypeStruct((batch, 32, hd), jnp.bfloat16)
+        bs = float8_block_sizes(batch, 8, heads // 8, max_len, hd, 2)
+        assert (bs.convert_warpgroup, bs.transposed) == (bool(convert), transposed)
+        q = jax.ShapeDtypeStruct((batch, heads, hd), jnp.bfloat16)
         pages = jax.ShapeDtypeStruct((8, batch * max_len // PAGE_SIZE, PAGE_SIZE, hd), jnp.float8_e4m3fn)
         table = jax.ShapeDtypeStruct((batch, max_len // PAGE_SIZE), jnp.int32)
         fn = jax.jit(functools.partial(paged_attention, backend="mosaic_gpu", interpret=False))
