@@ -69,6 +69,21 @@ class DeviceState(NamedTuple):
 SAMPLING_INPUTS = ("slots", "seeds", "steps", "temperature", "top_k", "top_p")
 
 
+def pack_step_input(inp: StepInput) -> np.ndarray:
+    """The inputs `step_fn` reads, side by side in one int32 array [rows, 3 * width + 3 + pages]: one copy to the
+    device a step instead of seven. On the H100 machine each copy of a numpy input cost ~0.3 ms of host time
+    in the engine thread (benchmarks/dispatch_gpu.py); `unpack_step_input` takes them apart on the device."""
+    return np.concatenate([inp.tokens, inp.positions, inp.valid, inp.feed[:, None], inp.slots[:, None],
+                           inp.last[:, None], inp.page_table], axis=1, dtype=np.int32)
+
+
+def unpack_step_input(packed: jax.Array, width: int) -> dict[str, jax.Array]:
+    w = width
+    return {"tokens": packed[:, :w], "positions": packed[:, w:2 * w], "valid": packed[:, 2 * w:3 * w] != 0,
+            "feed": packed[:, 3 * w] != 0, "slots": packed[:, 3 * w + 1], "last": packed[:, 3 * w + 2],
+            "page_table": packed[:, 3 * w + 3:]}
+
+
 def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
             cfg: ModelConfig, attention: str | AttentionFn = "auto") -> tuple[jax.Array, jax.Array, DeviceState]:
     """One forward over a bucket, taking each row's greedy token -> (packed [rows, 2 + 2 * NUM_TOP] with no top
@@ -191,9 +206,10 @@ class StepRunner:
         start = time.perf_counter()
         lowered = []
         for bucket in self.buckets:  # tracing holds the GIL: one at a time
-            example: dict[str, Any] = vars(StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots))
+            padding = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
+            example: Any = pack_step_input(padding)
             if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
-                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in example.items()}
+                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(padding).items()}
             lowered.append(self._jit(step, bucket).lower(self.weights, self.state, example))
         # XLA compiles outside the GIL, so the buckets compile side by side. On the H100 an 8B model's 7 buckets
         # compiled (and ran once) in 399 s this way; one at a time, 4 of its 5 buckets took over 540 s.
@@ -245,8 +261,9 @@ class StepRunner:
         return pages
 
     def _jit(self, step: Callable[..., Any], bucket: tuple[int, int, int]) -> Any:
-        if self.plan is None:
-            return jax.jit(step, donate_argnums=(1,))
+        if self.plan is None:  # one packed input array (see pack_step_input)
+            return jax.jit(lambda weights, state, packed: step(weights, state, unpack_step_input(packed, bucket[1])),
+                           donate_argnums=(1,))
         state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
         weights = jax.tree_util.tree_map(lambda x: x.sharding, self.weights)
         return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, state, self.plan.input_shardings(bucket)),
@@ -287,12 +304,15 @@ class StepRunner:
         log-probabilities; returns the packed result of the last."""
         compiled = self._compiled[inp.shape]
         arrays = vars(inp)
+        step_inputs: Any = None
         if self.plan is not None:
-            arrays = vars(self.plan.reorder(inp))
+            arrays = step_inputs = vars(self.plan.reorder(inp))
             if self.lockstep is not None:  # a mesh over processes takes global arrays; each process gives its shards
                 shardings = self.plan.input_shardings(inp.shape)
-                arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
-        packed, logits, self.state = compiled(self.weights, self.state, arrays)
+                arrays = step_inputs = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
+        else:
+            step_inputs = pack_step_input(inp)
+        packed, logits, self.state = compiled(self.weights, self.state, step_inputs)
         if inp.temperature.any() or inp.want_top.any():
             packed = self._sample(inp.shape[0], logits, arrays)
         return packed

@@ -253,18 +253,18 @@ class Engine:
         read = time.perf_counter()
         self.stats.device_wait_s += read - start
         for rows, out in outputs:
+            tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()  # Python numbers, once for every row
             for i, chunk in enumerate(rows):
                 if chunk is not None:
-                    self._commit(chunk, out, i)
+                    self._commit(chunk, out, i, tokens[i], logprobs[i])
         self.stats.commit_s += time.perf_counter() - read
 
-    def _commit(self, chunk: Chunk, out: StepOutput, row: int) -> None:
+    def _commit(self, chunk: Chunk, out: StepOutput, row: int, token: int, logprob: float) -> None:
         request = chunk.request
         if not chunk.sample or request.finished:
             self.scheduler.commit(chunk, None)
             return
-        token = int(out.tokens[row])
-        if not math.isfinite(float(out.logprobs[row])):
+        if not math.isfinite(logprob):
             # Nothing is committed: its pages must not enter the prefix cache.
             self._end_with_error(request, f"the logits turned non-finite at position {request.num_tokens}")
             return
@@ -272,7 +272,7 @@ class Engine:
         if request.params.logprobs:
             n = request.params.logprobs
             top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :n], out.top_logprobs[row, :n])]
-            logprobs = [(float(out.logprobs[row]), top)]
+            logprobs = [(logprob, top)]
             request.logprobs.extend(logprobs)
         request.token_times.append(time.perf_counter())
         self.scheduler.commit(chunk, token)
