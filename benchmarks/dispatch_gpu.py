@@ -39,11 +39,10 @@ def child(layers: int, rows: int, context: int, kv_dtype: str, steps: int) -> di
 
     from jaxserve.checkpoint import LoadedModel
     from jaxserve.checkpoint.random_model import preset, synthetic_tokenizer
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import EngineConfig, SamplingParams
     from jaxserve.engine.batch import StepInput
     from jaxserve.engine.request import Request
     from jaxserve.engine.scheduler import Chunk
-    from jaxserve.config import SamplingParams
     from jaxserve.model.weights import random_weights
     from jaxserve.step import StepRunner, pack_step_input
 

@@ -206,10 +206,10 @@ class StepRunner:
         start = time.perf_counter()
         lowered = []
         for bucket in self.buckets:  # tracing holds the GIL: one at a time
-            padding = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
-            example: Any = pack_step_input(padding)
+            blank = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
+            example: Any = pack_step_input(blank)
             if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
-                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(padding).items()}
+                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(blank).items()}
             lowered.append(self._jit(step, bucket).lower(self.weights, self.state, example))
         # XLA compiles outside the GIL, so the buckets compile side by side. On the H100 an 8B model's 7 buckets
         # compiled (and ran once) in 399 s this way; one at a time, 4 of its 5 buckets took over 540 s.
