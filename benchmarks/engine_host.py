@@ -55,17 +55,22 @@ def child(rows: int, input_len: int, output_len: int) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     engine.generate(prompts, [SamplingParams(max_tokens=output_len, ignore_eos=True)] * rows)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"steps": engine.stats.steps, "decode_steps": engine.stats.decode_steps, "wall_s": wall,
+    import jaxserve
+
+    return {"engine": os.path.dirname(os.path.dirname(os.path.abspath(jaxserve.__file__))), "steps": engine.stats.steps, "decode_steps": engine.stats.decode_steps, "wall_s": wall,
             "ms_per_step": cpu / engine.stats.steps * 1e3}
 
 
 def run_in(tree: str, rows: int, input_len: int, output_len: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(rows), "--input-len", str(input_len),
-           "--output-len", str(output_len)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(rows), "--tree", tree, "--input-len",
+           str(input_len), "--output-len", str(output_len)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the load failed in {tree}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if os.path.commonpath([result["engine"], tree]) != tree:
+        raise SystemExit(f"the load meant for {tree} ran the engine at {result['engine']}")
+    return result
 
 
 def main() -> None:
@@ -77,9 +82,11 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=300)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # the child's source tree
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/engine_host.jsonl"))
     args = ap.parse_args()
-    if args.child:
+    if args.child:  # the tree under test first: ROOT, put first above for this script's own imports, is not it
+        sys.path.insert(0, args.tree)
         print(json.dumps(child(args.child, args.input_len, args.output_len)))
         return
     from benchmarks.common import record
