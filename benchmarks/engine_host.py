@@ -57,7 +57,8 @@ def child(rows: int, input_len: int, output_len: int) -> dict:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     import jaxserve
 
-    return {"engine": os.path.dirname(os.path.dirname(os.path.abspath(jaxserve.__file__))), "steps": engine.stats.steps, "decode_steps": engine.stats.decode_steps, "wall_s": wall,
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(jaxserve.__file__)))
+    return {"engine": tree, "steps": engine.stats.steps, "decode_steps": engine.stats.decode_steps, "wall_s": wall,
             "ms_per_step": cpu / engine.stats.steps * 1e3}
 
 
