@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.batch import StepInput
-from jaxserve.engine.pages import PageAllocator
+from jaxserve.engine.pages import PageAllocator, page_hashes
 from jaxserve.engine.request import Request, State
 from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
+from jaxserve.step import pack_step_input, unpack_step_input
 
 
 def fake_token(ids: list[int]) -> int:
@@ -63,6 +65,8 @@ def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_step
             scheduler.commit(chunk, token)
         in_flight = launched
         scheduler.pages.check()
+        for request in scheduler.running:  # the kept prefix-hash chain is the one its tokens give, whatever happened
+            assert request.page_hashes == page_hashes(request.all_ids, size, len(request.page_hashes))
         step += 1
         assert step < max_steps, "no progress"
     return step
@@ -83,6 +87,9 @@ def check_step_inputs(scheduler: Scheduler, plan: StepPlan) -> None:
             assert list(inp.positions[i, :chunk.length]) == list(range(chunk.start, end))
             assert inp.valid[i].sum() == chunk.length == inp.last[i] + 1 and inp.slots[i] == r.slot
             assert list(inp.page_table[i, :len(r.pages)]) == r.pages
+        # one device copy carries what the step reads; unpacked, it gives back the same arrays
+        for name, x in unpack_step_input(pack_step_input(inp), width).items():
+            assert np.array_equal(x, getattr(inp, name)), name
 
 
 requests_strategy = st.lists(
