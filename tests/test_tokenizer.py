@@ -56,6 +56,14 @@ def test_emoji_split_across_tokens_is_held_back(smollm):
     assert detok.push(ids[-1]) == "🚀"
 
 
+def test_flush_gives_a_character_cut_short_as_a_replacement_character(smollm):
+    ids = smollm.tokenizer.encode("Go 🚀")
+    detok = IncrementalDetokenizer(smollm.tokenizer)
+    text = "".join(detok.push(i) for i in ids[:-1])
+    assert text == "Go" and detok.flush() == smollm.tokenizer.decode(ids[:-1])[len(text):] == " \ufffd"
+    assert detok.flush() == ""
+
+
 def test_special_tokens_are_single_ids(smollm):
     tok = smollm.tokenizer
     assert tok.encode("<|im_start|>") == [1]
