@@ -5,7 +5,7 @@ time. On the H100 the 8B model's 256-row float8 decode step takes ~22 ms on the 
 (serving_gpu.py) spent 11-18 ms of host time per step in `dispatch` alone. This times, for the 8B shape cut to
 --layers layers (dispatch cost grows with the kernels a step launches, so per layer is what counts):
   build     StepInput.build for 256 decode rows (numpy only)
-  numpy     the compiled step called on fresh numpy inputs (what the engine does)
+  numpy     runner.dispatch on numpy inputs, copied to the device on every call (what the engine does)
   device    the same call on inputs already on the device, the same arrays every time
 and the device time per step (steps back to back, waited on at the end). Each XLA flag variant runs in its own
 process (XLA reads its flags once).
@@ -58,7 +58,7 @@ def child(layers: int, rows: int, context: int, kv_dtype: str, steps: int) -> di
     compile_s = time.perf_counter() - start
     rng = np.random.default_rng(0)
     chunks = []
-    for slot in range(rows):  # decode rows at `context` tokens, their pages a random permutation of the pool
+    for slot in range(rows):  # decode rows at `context` tokens, each on random pages of the pool (rows may share)
         r = Request(str(slot), [int(t) for t in rng.integers(0, mc.vocab_size - 1, context)],
                     SamplingParams(max_tokens=8, ignore_eos=True), slot, slot=slot,
                     pages=[int(p) for p in rng.permutation(rows * pages)[:pages] + 1], num_computed=context - 1)

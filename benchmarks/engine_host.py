@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 
 def child(rows: int, input_len: int, output_len: int) -> dict:
-    """Runs in the revision on PYTHONPATH: `rows` requests at once on `rows` slots through a null runner."""
+    """Runs in the tree given by --tree: `rows` requests at once on `rows` slots through a null runner."""
     import random
 
     import numpy as np
@@ -76,8 +76,8 @@ def run_in(tree: str, rows: int, input_len: int, output_len: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", default="19ec187", help="git revision of the baseline engine (default: the "
-                    "tried host-path change, reverted: it measured no faster)")
+    ap.add_argument("--baseline", default="c0cb531", help="git revision of the baseline engine (default: before "
+                    "session 12's host-path changes)")
     ap.add_argument("--rows", default="1,32,219")
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=300)
@@ -92,6 +92,8 @@ def main() -> None:
         return
     from benchmarks.common import record
 
+    head = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
+                          text=True).stdout.strip()
     base = tempfile.mkdtemp(prefix="jaxserve-baseline-")
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", base, args.baseline], check=True,
                    capture_output=True)
@@ -107,7 +109,8 @@ def main() -> None:
             baseline = min(r["ms_per_step"] for r in theirs)
             record(args.out, "engine_host_ms_per_step", {"rows": rows, "input_len": args.input_len,
                    "output_len": args.output_len, "steps": ours[0]["steps"], "runs_ms": [r["ms_per_step"] for r in ours],
-                   "baseline_runs_ms": [r["ms_per_step"] for r in theirs]}, "ms_per_step", mine, "ms",
+                   "baseline_runs_ms": [r["ms_per_step"] for r in theirs], "tree": head,
+                   "timer": f"CPU time, fastest of {args.reps}"}, "ms_per_step", mine, "ms",
                    f"engine at {args.baseline}", baseline, higher_is_better=False)
             print(f"  {rows:4d} rows: {mine:7.3f} ms/step, baseline {baseline:7.3f} ms/step: {baseline / mine:.2f}x",
                   flush=True)

@@ -71,8 +71,8 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
 
 
 def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, options: dict | None = None):
-    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated), with XLA's
-    compiler `options` if given."""
+    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated; the engine's jit
+    also unpacks one packed input array, see jaxserve.step.pack_step_input), with XLA's compiler `options` if given."""
     return jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile(
         compiler_options=options)
 

@@ -72,8 +72,7 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
     vocab = engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    preempted, steps = engine.scheduler.num_preemptions, engine.stats.steps
-    before = dataclasses.replace(engine.stats)
+    preempted, before = engine.scheduler.num_preemptions, dataclasses.replace(engine.stats)
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)
     wall = time.perf_counter() - start
@@ -87,7 +86,7 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
         "ttft_p99_s": percentile(ttft, 0.99), "itl_p50_s": statistics.median(itl) if itl else 0.0,
         "itl_p90_s": percentile(itl, 0.90), "itl_p99_s": percentile(itl, 0.99),
         "preemptions": engine.scheduler.num_preemptions - preempted,
-        "engine_steps": engine.stats.steps - steps, "max_slots": engine.cfg.max_slots,
+        "engine_steps": engine.stats.steps - before.steps, "max_slots": engine.cfg.max_slots,
         # the share of the wall time the engine thread waited on the device; the rest is host work that the
         # device overlaps only while a dispatched step is still running
         "device_wait_fraction": (engine.stats.device_wait_s - before.device_wait_s) / wall,

@@ -71,8 +71,9 @@ SAMPLING_INPUTS = ("slots", "seeds", "steps", "temperature", "top_k", "top_p")
 
 def pack_step_input(inp: StepInput) -> np.ndarray:
     """The inputs `step_fn` reads, side by side in one int32 array [rows, 3 * width + 3 + pages]: one copy to the
-    device a step instead of seven. On the H100 machine each copy of a numpy input cost ~0.3 ms of host time
-    in the engine thread (benchmarks/dispatch_gpu.py); `unpack_step_input` takes them apart on the device."""
+    device for a greedy step instead of seven (a step that samples sends the sampler its own). On the H100
+    machine the seven numpy inputs cost ~2 ms of host time a dispatch (benchmarks/dispatch_gpu.py: 3.41 against
+    1.45 ms with inputs already on the device); `unpack_step_input` takes them apart on the device."""
     return np.concatenate([inp.tokens, inp.positions, inp.valid, inp.feed[:, None], inp.slots[:, None],
                            inp.last[:, None], inp.page_table], axis=1, dtype=np.int32)
 
@@ -304,14 +305,12 @@ class StepRunner:
         log-probabilities; returns the packed result of the last."""
         compiled = self._compiled[inp.shape]
         arrays = vars(inp)
-        step_inputs: Any = None
         if self.plan is not None:
-            arrays = step_inputs = vars(self.plan.reorder(inp))
+            arrays = vars(self.plan.reorder(inp))
             if self.lockstep is not None:  # a mesh over processes takes global arrays; each process gives its shards
                 shardings = self.plan.input_shardings(inp.shape)
-                arrays = step_inputs = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
-        else:
-            step_inputs = pack_step_input(inp)
+                arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
+        step_inputs = arrays if self.plan is not None else pack_step_input(inp)
         packed, logits, self.state = compiled(self.weights, self.state, step_inputs)
         if inp.temperature.any() or inp.want_top.any():
             packed = self._sample(inp.shape[0], logits, arrays)

@@ -57,6 +57,9 @@ def test_bench_json_reports_throughput_and_latency():
     assert result["requests"] == 3 and result["output_tokens"] == 15
     assert result["output_tokens_per_s"] > 0 and result["wall_s"] > 0
     assert 0 < result["ttft_p50_s"] < result["wall_s"] and result["itl_p50_s"] > 0
+    # the engine thread's time, split: waiting on the device and the host work's three parts, within the wall
+    parts = [result[f"{p}_fraction"] for p in ("device_wait", "schedule", "dispatch", "commit")]
+    assert all(f > 0 for f in parts) and sum(parts) <= 1.0
 
 
 def test_bench_rejects_bad_sizes():

@@ -89,7 +89,7 @@ def check_step_inputs(scheduler: Scheduler, plan: StepPlan) -> None:
             assert list(inp.page_table[i, :len(r.pages)]) == r.pages
         # one device copy carries what the step reads; unpacked, it gives back the same arrays
         for name, x in unpack_step_input(pack_step_input(inp), width).items():
-            assert np.array_equal(x, getattr(inp, name)), name
+            assert np.array_equal(x, getattr(inp, name)) and x.dtype == getattr(inp, name).dtype, name
 
 
 requests_strategy = st.lists(
@@ -123,6 +123,16 @@ def test_every_request_finishes_and_nothing_leaks(specs, max_slots, page_size, e
     assert all(ref == 0 for ref in scheduler.pages.refs)
     assert scheduler.slots.num_free == max_slots
     scheduler.pages.check()
+
+
+def test_page_hashes_extend_a_known_chain_as_a_recomputation_would():
+    ids = list(range(100, 171))  # 4 full pages of 16 and 7 tokens
+    full = page_hashes(ids, 16, 4)
+    assert len(set(full)) == 4 and page_hashes(ids, 16, 3) == full[:3]
+    for k in range(5):
+        assert page_hashes(ids, 16, 4, known=full[:k]) == full
+    assert page_hashes(ids, 16, 2, known=full) == full[:2]  # fewer than known: the chain's first
+    assert page_hashes(ids[:16] + [0] + ids[17:], 16, 4)[1:] != full[1:]  # a page's hash covers its whole prefix
 
 
 def test_outputs_do_not_depend_on_pool_size():

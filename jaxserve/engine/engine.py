@@ -62,7 +62,8 @@ class EngineStats:
     decode_steps: int = 0
     max_decode_rows: int = 0
     device_wait_s: float = 0.0  # time the engine thread spent blocked on a step's result (the rest is host work)
-    # the host work, by part: planning steps, enqueueing them on the device, committing their results
+    # the host work, by part: planning steps; building their inputs and enqueueing them on the device (dispatch);
+    # committing their results
     schedule_s: float = 0.0
     dispatch_s: float = 0.0
     commit_s: float = 0.0

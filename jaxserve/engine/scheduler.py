@@ -93,7 +93,7 @@ class Scheduler:
             request = self.waiting[0]
             assert not request.unread, "a preempted request's last token is read before it is admitted again"
             reusable = (request.num_tokens - 1) // self.cfg.page_size  # the last token's page stays private
-            hashes = self._hashes(request, reusable) if request.preemptions else None
+            hashes = self._hashes(request, reusable)[:reusable] if request.preemptions else None
             # A new request starts once its first chunk's pages are free. One that was preempted waits until its
             # whole sequence fits beside a page of growth for every running request: back on its first chunk's
             # pages alone it would be the first preempted again (the latest arrival), over and over. With
@@ -106,7 +106,7 @@ class Scheduler:
             if self.running and self.pages.num_available < needed:
                 return
             if hashes is None:  # a new request's prompt is hashed once it is admitted, not on every step it waits
-                hashes = self._hashes(request, reusable)
+                hashes = self._hashes(request, reusable)[:reusable]
             self.waiting.popleft()
             for h in hashes:
                 page = self.pages.lookup(h)
@@ -123,10 +123,11 @@ class Scheduler:
             self.running.append(request)
 
     def _hashes(self, request: Request, count: int) -> list[int]:
-        """The prefix hashes of the request's first `count` full pages, hashing only pages not hashed before."""
+        """The request's kept prefix-hash chain, extended to at least `count` full pages (only pages not hashed
+        before are hashed); not a copy."""
         if len(request.page_hashes) < count:
             request.page_hashes = page_hashes(request.all_ids, self.cfg.page_size, count, request.page_hashes)
-        return request.page_hashes[:count]
+        return request.page_hashes
 
     # -- planning ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

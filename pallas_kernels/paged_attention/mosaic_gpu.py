@@ -142,8 +142,9 @@ def float8_block_sizes(batch: int, kv_heads: int, group: int, max_len: int, hd: 
     first layout that fits in shared memory: query rows (unsplit sequences at head_dim 128), else scores as K·qᵀ
     (split sequences too: their float32 partials take 16 rows, not 64). On the H100 (benchmarks/fp8_decode_gpu.py,
     against the compute warpgroup converting) the first ran 1.24x (batch 256, 1,536 tokens), 1.28x (128, 2,048)
-    and 1.30x (32, 8,192) faster, 5 % ahead of the second there; the second 1.23x at batch 8 and 1.13x at batch 1
-    (8,192 tokens, split). Elsewhere (wider heads, groups over 16) the compute warpgroup converts, in the first of
+    and 1.30x (32, 8,192) faster, 3-5 % ahead of the second there; the second 1.23x at batch 8 (8,192 tokens,
+    split; at batch 1 its 1.13x is within that run's noise). Elsewhere (wider heads, groups whose 8-aligned load
+    exceeds 16 rows: 11, 13-15 and over 16) the compute warpgroup converts, in the first of
     the default tiling and 64-token blocks that fits (none does for a split sequence at head_dim 256: the call
     then names the shared memory it needs)."""
     converting = BlockSizes(block_k=128, stages=2, slots_per_program=1, convert_warpgroup=True)

@@ -205,7 +205,7 @@ class TestMosaicGPUInterpret(MosaicGPUOptions, InterpretSuite):
         (2, 32, 4096, 256, None, False)])
     def test_float8_default_tiling(self, batch, heads, max_len, hd, convert, transposed):
         """8-bit pages default to a converting warpgroup over 128-token blocks where it fits: with query rows for
-        unsplit sequences at head_dim 128, with scores as K·qᵀ for split ones (not for a group over 16: 24 here);
+        unsplit sequences at head_dim 128, with scores as K·qᵀ for split ones (not for a group that loads over 16 rows: 24 here);
         elsewhere the compute warpgroup converts, in a tiling that fits: the call lowers for CUDA, where Mosaic GPU
         checks the shared memory it allocates, with no block sizes given. A split sequence at head_dim 256 fits in
         no tiling: the call says so (convert None)."""
