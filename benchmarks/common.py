@@ -8,6 +8,19 @@ import os
 from typing import Any
 
 
+def dispatched_back_to_back(runner: Any, inp: Any, steps: int) -> tuple[float, float]:
+    """(host seconds to enqueue a step, seconds a step) of `steps` engine steps of `inp` dispatched back to back
+    through `runner` (a jaxserve StepRunner) and waited on once at the end, after one untimed step."""
+    import time
+
+    runner.dispatch(inp)()
+    start = time.perf_counter()
+    results = [runner.dispatch(inp) for _ in range(steps)]
+    enqueued = time.perf_counter()
+    results[-1]()
+    return (enqueued - start) / steps, (time.perf_counter() - start) / steps
+
+
 def device_name() -> str:
     import jax
 

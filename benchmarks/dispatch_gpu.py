@@ -37,6 +37,7 @@ def child(layers: int, rows: int, context: int, kv_dtype: str, steps: int) -> di
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.common import dispatched_back_to_back
     from jaxserve.checkpoint import LoadedModel
     from jaxserve.checkpoint.random_model import preset, synthetic_tokenizer
     from jaxserve.config import EngineConfig, SamplingParams
@@ -73,14 +74,7 @@ def child(layers: int, rows: int, context: int, kv_dtype: str, steps: int) -> di
     build_s = timed(lambda: StepInput.build(chunks, 1, pages, rows), steps)
     inp = StepInput.build(chunks, 1, pages, rows)
     compiled = runner._compiled[inp.shape]
-    runner.dispatch(inp)()  # warm
-    results = []
-    t = time.perf_counter()
-    for _ in range(steps):
-        results.append(runner.dispatch(inp))
-    numpy_s = (time.perf_counter() - t) / steps
-    results[-1]()
-    device_s = (time.perf_counter() - t) / steps  # back to back, waited on once: the device's time per step
+    numpy_s, device_s = dispatched_back_to_back(runner, inp, steps)  # waited on once: the device's time a step
     on_device = jax.device_put(pack_step_input(inp))
     jax.block_until_ready(on_device)
     outs = []

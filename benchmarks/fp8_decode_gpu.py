@@ -33,7 +33,8 @@ from pallas_kernels.paged_attention import reference as decode_ref  # noqa: E402
 BS = decode_gpu.BlockSizes
 FP8 = jnp.float8_e4m3fn
 # name: (page dtype, tiling, the variant it is compared with); tiling None: the kernel's default (fp8-default:
-# the converting warpgroup over 128-token blocks where it fits); fp8-compute-wg: the default before session 11
+# float8_block_sizes, the converting warpgroup over 128-token blocks, its scores transposed for split sequences);
+# fp8-compute-wg: the default before session 11
 VARIANTS = {
     "bf16": (jnp.bfloat16, None, "bf16"),
     "bf16-transposed": (jnp.bfloat16, BS(transposed=True), "bf16"),

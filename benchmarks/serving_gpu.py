@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import record, timed  # noqa: E402
+from benchmarks.common import dispatched_back_to_back, record, timed  # noqa: E402
 
 PARTS = {"offline", "peer", "concurrency", "ttft"}
 
@@ -117,11 +117,7 @@ def decode_step_alone(engine, context: int, steps: int = 20) -> float:
     inp.positions[:] = context
     inp.valid[:] = True
     inp.page_table[:] = np.arange(rows * pages).reshape(rows, pages)
-    engine.runner.dispatch(inp)()  # this bucket ran at start-up already; one more, not timed
-    start = time.perf_counter()
-    results = [engine.runner.dispatch(inp) for _ in range(steps)]
-    results[-1]()
-    return (time.perf_counter() - start) / steps
+    return dispatched_back_to_back(engine.runner, inp, steps)[1]
 
 
 def peer_throughput(cfg, requests: int, input_len: int, output_len: int, batch: int, seed: int = 0) -> float:
@@ -269,8 +265,8 @@ def main() -> None:
                 "chunk": args.chunk, "prefill_tokens": args.prefill_tokens, "prefill_rows": args.prefill_rows,
                 **{k: r[k] for k in ("requests", "input_len", "output_len", "max_slots", "wall_s",
                                              "ttft_p50_s", "itl_p50_s", "preemptions", "engine_steps",
-                                             "device_wait_fraction", "schedule_fraction", "dispatch_fraction",
-                                             "commit_fraction", "decode_step_alone_s") if k in r}}
+                                             "decode_step_alone_s") if k in r},
+                **{k: v for k, v in r.items() if k.endswith("_fraction")}}
 
     # 1 and 2 run through one engine sized for the offline load, compiled once.
     concurrency = [int(x) for x in args.concurrency.split(",") if x] if "concurrency" in parts else []

@@ -93,20 +93,18 @@ class Scheduler:
             request = self.waiting[0]
             assert not request.unread, "a preempted request's last token is read before it is admitted again"
             reusable = (request.num_tokens - 1) // self.cfg.page_size  # the last token's page stays private
-            hashes = self._hashes(request, reusable)[:reusable] if request.preemptions else None
+            hashes = self._hashes(request, reusable)[:reusable]  # kept on the request: hashed once, however long it waits
             # A new request starts once its first chunk's pages are free. One that was preempted waits until its
             # whole sequence fits beside a page of growth for every running request: back on its first chunk's
             # pages alone it would be the first preempted again (the latest arrival), over and over. With
             # nothing running, either pages in.
-            if hashes is not None:
+            if request.preemptions:
                 needed = -(-request.num_tokens // self.cfg.page_size) - self.pages.cached_prefix(hashes)
                 needed += len(self.running)
             else:
                 needed = -(-min(request.pending, self.cfg.max_chunk) // self.cfg.page_size)
             if self.running and self.pages.num_available < needed:
                 return
-            if hashes is None:  # a new request's prompt is hashed once it is admitted, not on every step it waits
-                hashes = self._hashes(request, reusable)[:reusable]
             self.waiting.popleft()
             for h in hashes:
                 page = self.pages.lookup(h)
