@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -100,16 +101,6 @@ def run_steps(step, weights, state, inp, steps: int):
     return (time.perf_counter() - t0) / steps, state
 
 
-def time_decode(cfg: ModelConfig, weights, batch: int, context: int, steps: int, reps: int) -> float:
-    """Median seconds per decode step of `batch` rows."""
-    step, state, inp = decode_step(cfg, weights, batch, context)
-    times = []
-    for _ in range(reps):
-        seconds, state = run_steps(step, weights, state, inp, steps)
-        times.append(seconds)
-    return float(np.median(times))
-
-
 def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     """The Mosaic GPU kernel against float64 truth on the model's layer shapes, then timed against XLA."""
     rows = []
@@ -153,6 +144,64 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def parse_tiling(text: str) -> qmm_gpu.BlockSizes:
+    """"default" or "stages=6,block_n=64": the kernel's BlockSizes with these fields set."""
+    fields = dict(item.split("=") for item in text.split(",") if item != "default")
+    return qmm_gpu.BlockSizes(**{name: int(value) for name, value in fields.items()})
+
+
+def device_seconds(fn, args, reps: int = 20) -> float:
+    """Device time of one call of fn(*args): all its kernels, from a profile of `reps` calls after a first."""
+    from benchmarks.kernels_gpu import kernel_seconds
+
+    jax.block_until_ready(fn(*args))
+    seconds, _ = kernel_seconds(lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)], "")
+    if not seconds:
+        raise RuntimeError("the profile holds no GPU kernels (the tiling sweep needs a GPU)")
+    return seconds / reps
+
+
+def tiling_sweep(cfg: ModelConfig, out: str, tilings: list[str], rows: int = 8) -> list[dict]:
+    """Device time of each decode product of the model (`rows` activation rows, already a multiple of the kernel's 8, as
+    the decode step passes them), by tiling, from a profile: the kernel and the sum of its k splits, no launch or host
+    time. The whole step's products are summed (32 of each layer product and the head) against the device copy."""
+    from benchmarks.kernels_gpu import copy_bandwidth_device
+
+    copy_bw = copy_bandwidth_device()
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    shapes = {"wqkv": (qkv, d, cfg.num_layers), "wo": (d, d, cfg.num_layers),
+              "w_gate_up": (2 * f, d, cfg.num_layers), "w_down": (d, f, cfg.num_layers), "head": (cfg.vocab_size, d, 1)}
+    key = jax.random.PRNGKey(2)
+    x = jax.random.normal(key, (rows, max(d, f)), jnp.float32).astype(jnp.bfloat16)
+    table, records = [], []
+    for tiling in tilings:
+        bs = parse_tiling(tiling)
+        total_s, total_bytes, parts = 0.0, 0, []
+        for name, (n, k, count) in shapes.items():
+            values = jax.random.randint(key, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+            scales = jnp.full((1, n), 1 / 127, jnp.float32)
+            args = (jax.block_until_ready(x[:, :k]), values, scales)
+            try:
+                seconds = device_seconds(jax.jit(functools.partial(qmm_gpu.quantized_matmul, block_sizes=bs)), args)
+            except Exception as e:  # noqa: BLE001  (a tiling the shape does not take)
+                print(f"  {tiling} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                total_s = float("nan")
+                continue
+            total_s += seconds * count
+            total_bytes += n * k * count
+            parts.append(f"{name} {seconds * 1e6:.1f} us ({n * k / seconds / copy_bw:.0%})")
+            records.append(record(out, "int8_matmul_device", {"layer": name, "n": n, "k": k, "m": rows,
+                                                              "tiling": tiling}, "GB/s", n * k / seconds / 1e9, "GB/s",
+                                  "device copy (read + write)", copy_bw / 1e9))
+        line = (f"tiling {tiling:<28} products of a step {total_s * 1e3:6.3f} ms = {total_bytes / total_s / copy_bw:5.1%}"
+                f" of the copy; " + ", ".join(parts))
+        print(line, flush=True)
+        table.append(line)
+    print("\n".join(table))
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config, few steps: checks the script on CPU")
@@ -161,8 +210,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
-                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla")
+                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_pad_per_product "
+                         "(the kernel with each product padding its activations, as before the step padded its rows)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
+    ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
+                                                  "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -171,6 +223,8 @@ def main() -> None:
     out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
     print(f"{jax.devices()[0]} jax {jax.__version__}; writing {out}", flush=True)
 
+    if args.tilings:
+        return print_table(tiling_sweep(cfg, out, args.tilings.split(";")))
     rows = [] if args.skip_kernel else kernel_checks(cfg, out, args.smoke)
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -184,17 +238,29 @@ def main() -> None:
                        param_bytes(bf16), higher_is_better=False))
     rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
                        linear_bytes(bf16), higher_is_better=False))
-    variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference")}
+    variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference"), "int8_pad_per_product": int8}
     variants = {name: variants[name] for name in args.variants.split(",")}
     for batch in batches:
-        seconds = {}
+        steps = {}  # every variant compiled first, then their timings alternate (a slow spell hits them all)
         for name, weights in variants.items():
             try:
-                seconds[name] = time_decode(cfg, weights, batch, args.context, args.steps, args.reps)
-                print(f"batch {batch} {name}: {seconds[name] * 1e3:.3f} ms/step", flush=True)
+                qmm_gpu.ROW_MULTIPLE = 1 if name == "int8_pad_per_product" else 8  # read when the step is traced
+                steps[name] = decode_step(cfg, weights, batch, args.context)
             except Exception:
                 traceback.print_exc()
-        for name in ("int8", "int8_xla"):
+            finally:
+                qmm_gpu.ROW_MULTIPLE = 8
+        times = {name: [] for name in steps}
+        for _ in range(args.reps):
+            for name, (step, state, inp) in steps.items():
+                t, state = run_steps(step, variants[name], state, inp, args.steps)
+                steps[name] = (step, state, inp)
+                times[name].append(t)
+        seconds = {name: float(np.median(t)) for name, t in times.items()}
+        for name, t in seconds.items():
+            print(f"batch {batch} {name}: {t * 1e3:.3f} ms/step (median of {args.reps} alternated)", flush=True)
+        del steps
+        for name in ("int8", "int8_xla", "int8_pad_per_product"):
             if name in seconds:
                 rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": name},
                                    "tokens_per_s", batch / seconds[name], "tok/s", "bfloat16",

@@ -237,3 +237,55 @@ def test_int8_embedded_model_greedy_mostly_equals_float(smollm, embedded_path):
     forced = [teacher_forced_agreement(model, p, o) for p, o in zip(prompts, outs)]
     assert np.mean(forced) >= 0.9, (forced, outs)
     assert forced[0] == 1.0 and smollm.tokenizer.decode(outs[0]).startswith(" Paris")
+
+
+def test_decode_pads_its_rows_once_for_the_kernel_and_writes_only_real_rows():
+    """A 3-row decode step through the Mosaic GPU kernel (interpreted) pads its activations to 8 rows once, not
+    in every product; the padding rows skip attention (no K/V written) and the step matches XLA's products."""
+    import dataclasses
+
+    from jaxserve.checkpoint.random_model import PRESETS
+    from jaxserve.model.kv_cache import KVCache
+    from jaxserve.model.quant import quantize_weights
+    from jaxserve.model.transformer import forward
+    from jaxserve.model.weights import random_weights
+
+    cfg = PRESETS["smoke"]
+    weights = quantize_weights(random_weights(cfg, jax.random.key(0), jnp.float32), QuantConfig(mode="int8"))
+    on = {b: jax.tree_util.tree_map(lambda x: dataclasses.replace(x, backend=b) if isinstance(x, QuantizedArray)
+                                    else x, weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
+          for b in ("pallas", "reference")}
+    rows, pages = 3, 2
+    cache = KVCache.zeros(cfg, rows * pages, 16, jnp.float32, padding_page=True)
+    cache = dataclasses.replace(cache, k=tuple(jnp.asarray(RNG.standard_normal(k.shape), jnp.float32) for k in cache.k))
+    tokens = jnp.asarray([[5], [7], [9]], jnp.int32)
+    positions = jnp.asarray([[3], [20], [0]], jnp.int32)
+    valid = jnp.asarray([[True], [True], [False]])
+    table = jnp.arange(rows * pages, dtype=jnp.int32).reshape(rows, pages)
+
+    def step(w):
+        return forward(w, cfg, tokens, positions, valid, table, cache, attention="reference")
+
+    kernel_calls = ("pallas_call", "custom_vmap_call")  # the latter: how a Mosaic GPU kernel is interpreted on CPU
+
+    def eqns(jaxpr):  # every equation, into nested jaxprs but not into the kernels
+        for e in jaxpr.eqns:
+            yield e
+            if e.primitive.name not in kernel_calls:
+                for value in e.params.values():
+                    for sub in value if isinstance(value, (tuple, list)) else (value,):
+                        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                            yield from eqns(getattr(sub, "jaxpr", sub))
+
+    found = list(eqns(jax.make_jaxpr(step)(on["pallas"]).jaxpr))
+    pads = [e for e in found if e.primitive.name == "pad"]
+    kernels = [e for e in found if e.primitive.name in kernel_calls]
+    assert len(kernels) == 4 * cfg.num_layers + 1
+    assert len(pads) == 1 + cfg.num_layers, "x once, then each layer's attention output back to the padded rows"
+    assert all(e.invars[0].aval.shape[0] == 8 for e in kernels)
+    out, ref = step(on["pallas"]), step(on["reference"])
+    assert out.logits.shape == ref.logits.shape == (rows, 1, cfg.vocab_size)
+    assert np.linalg.norm(out.logits - ref.logits) / np.linalg.norm(ref.logits) < 2e-2  # the kernel's bfloat16
+    for got, before in zip(out.cache.k + out.cache.v, cache.k + cache.v):
+        written = np.argwhere(np.any(np.asarray(got) != np.asarray(before), axis=(0, 3))[:rows * pages])
+        assert sorted(map(tuple, written.tolist())) == [(0, 3), (3, 4)]  # the valid rows' slots; the rest untouched

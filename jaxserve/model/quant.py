@@ -104,6 +104,15 @@ def linear(x: jax.Array, w: Any, *, in_ndim: int = 1, preferred_element_type: An
     return y.reshape(*x.shape[: x.ndim - in_ndim], *out_shape)
 
 
+def row_multiple(weights: Any) -> int:
+    """The row count that the quantized products of `weights` pad their activations to a multiple of (1 for float
+    weights or an XLA backend); see pallas_kernels.quantized_matmul.row_multiple."""
+    from pallas_kernels.quantized_matmul import row_multiple as kernel_row_multiple
+
+    leaves = jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    return max((kernel_row_multiple(w.backend) for w in leaves if isinstance(w, QuantizedArray)), default=1)
+
+
 def embed_lookup(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
     """Rows of the embedding table [vocab, embed] (float, or a QuantizedArray with vocab as its output axis)."""
     if isinstance(table, QuantizedArray):

@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import AttentionFn, update_and_attend
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.quant import embed_lookup, linear
+from jaxserve.model.quant import embed_lookup, linear, row_multiple
 from jaxserve.model.weights import Layer, Weights, split_qkv
 
 
@@ -77,14 +77,15 @@ def _layer(
     v_pages: jax.Array, write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, inv_freq: np.ndarray,
     attention: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rows = positions.shape[0]  # x may carry padding rows past these, for the quantized products (see forward)
     with jax.named_scope("attention"):
         qkv = normed_linear(x, w.attn_norm, w.wqkv, cfg.rms_norm_eps)  # [b, t, kv_heads, q_per_kv + 2, head_dim]
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
-        q, k, v = split_qkv(cfg, qkv)
+        q, k, v = split_qkv(cfg, qkv[:rows])
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
-        x = x + linear(attn, w.wo, in_ndim=2)
+        x = x + linear(_pad_rows(attn, x.shape[0] - rows), w.wo, in_ndim=2)
     with jax.named_scope("mlp"):
         gate_up = normed_linear(x, w.mlp_norm, w.w_gate_up, cfg.rms_norm_eps)  # [b, t, ffn, 2]
         x = x + linear(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], w.w_down)
@@ -119,18 +120,27 @@ def forward(
     padding = cache.num_pages - 1 if cache.padding_page else cache.num_pages  # its page, or out of bounds: dropped
     write_at = (jnp.where(valid, page_of, padding), positions % size)
     x = embed_lookup(weights.embed, tokens, weights.final_norm.dtype)
+    rows = x.shape[0]
+    if tokens.shape[1] == 1:  # decode: the rows are padded once for the quantized products (each pads otherwise)
+        x = _pad_rows(x, -rows % row_multiple(weights))  # the padding rows skip attention: they write no K/V
     hidden = []
     ks, vs = [], []
     for i, layer in enumerate(weights.layers):
         if return_hidden:
-            hidden.append(x)
+            hidden.append(x[:rows])
         with jax.named_scope(f"layer_{i}"):
             x, k_i, v_i = _layer(cfg, layer, x, positions, valid, cache.k[i], cache.v[i], write_at, page_table,
                                  inv_freq, attention_fn)
         ks.append(k_i)
         vs.append(v_i)
     if logit_indices is not None:
-        x = jnp.take_along_axis(x, logit_indices[:, None, None], axis=1)
+        x = jnp.take_along_axis(x, _pad_rows(logit_indices, x.shape[0] - rows)[:, None, None], axis=1)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     logits = normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
-    return ForwardOutput(logits, KVCache(k=tuple(ks), v=tuple(vs), padding_page=cache.padding_page), tuple(hidden))
+    return ForwardOutput(logits[:rows], KVCache(k=tuple(ks), v=tuple(vs), padding_page=cache.padding_page),
+                         tuple(hidden))
+
+
+def _pad_rows(x: jax.Array, pad: int) -> jax.Array:
+    """x with `pad` zero rows appended (x itself when pad is 0)."""
+    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)) if pad else x

@@ -22,6 +22,12 @@ from pallas_kernels.quantized_matmul.reference import quantized_matmul as quanti
 MAX_KERNEL_ROWS = 128  # "auto" sends products of more rows (prefill chunks: compute-bound) to XLA
 
 
+def row_multiple(backend: str = "auto") -> int:
+    """The row count a kernel pads each product's activations to a multiple of (1: none). A caller that runs
+    many products on the same rows, like a decode step, pads its rows once instead of once per product."""
+    return getattr(backend_lib.implementation(__name__, backend), "ROW_MULTIPLE", 1)
+
+
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_dtype: Any = None,
                      backend: str = "auto", block_sizes: Any = None, interpret: bool | None = None) -> jax.Array:
     """x [m, k] times the weight `values` [n, k] int8 scaled by `scales` [groups, n] -> [m, n].
@@ -49,4 +55,4 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
                                    interpret=interpret)
 
 
-__all__ = ["MAX_KERNEL_ROWS", "quantized_matmul", "quantized_matmul_reference"]
+__all__ = ["MAX_KERNEL_ROWS", "quantized_matmul", "quantized_matmul_reference", "row_multiple"]

@@ -34,6 +34,7 @@ from pallas_kernels import backend as backend_lib
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms, mosaic_dtype, with_layout
 
 ROWS = 64  # output channels per compute warpgroup: the wgmma M
+ROW_MULTIPLE = 8  # activation rows are padded to a multiple of this (the wgmma N granule): callers may pad once
 NUM_SMS = 132  # H100 SXM; only sets how finely k is split
 # What one wave of programs costs beyond its bytes, in bytes per SM: the pipeline's fill, about a
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
@@ -211,7 +212,9 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     splits, k_split = bs.num_splits, k // bs.num_splits
     m_pad = -(-m // bs.block_m) * bs.block_m
     dtype = mosaic_dtype(x.dtype)
-    xp = jnp.pad(x.astype(dtype), ((0, m_pad - m), (0, 0)))  # [m_pad, k]: a few rows, a small copy
+    xp = x.astype(dtype)
+    if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
+        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     partial = splits > 1
     compute_wgs = bs.block_n // ROWS
     params = backend_lib.interpret_params("mosaic_gpu", interpret)

@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels import backend as backend_lib
 
 _CONTRACT_K = (((1,), (1,)), ((), ()))
+ROW_MULTIPLE = 16  # activation rows are padded to the bfloat16 sublane tile (a multiple of float32's 8)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

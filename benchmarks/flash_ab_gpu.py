@@ -1,0 +1,84 @@
+"""The flash kernel against an earlier version of itself and against cuDNN, alternated in one process.
+
+Kernel changes of a few percent are smaller than the spread between machines (cuDNN's own rate moves by
+up to 10 %), so a change is judged against the kernel it replaces, timed in turn with it on the same
+GPU. The earlier version is a copy of `pallas_kernels/flash_attention/mosaic_gpu.py` from a revision:
+
+    git show REV:pallas_kernels/flash_attention/mosaic_gpu.py > .ab/flash_base.py   # .ab/ is git-ignored
+    PYTHONPATH=. python3 benchmarks/flash_ab_gpu.py --baseline .ab/flash_base.py [--seqs 4096,8192]
+
+Shapes as `kernels_gpu.py`: bfloat16, head_dim 128, 16 heads, batch · seq = 16k tokens. Each round times
+cuDNN, the baseline and ours; the best of `--rounds` rounds is kept for each. Rows: `flash_attention_ab`
+(ours against the baseline) and `flash_attention` (ours against cuDNN) in results/kernels_gpu.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import record, timed  # noqa: E402
+from benchmarks.kernels_gpu import rel_err  # noqa: E402
+from pallas_kernels.flash_attention import mosaic_gpu as ours_module  # noqa: E402
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("flash_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", required=True, help="a copy of flash_attention/mosaic_gpu.py from another revision")
+    ap.add_argument("--label", default="", help="what the baseline is, for the rows (e.g. its revision)")
+    ap.add_argument("--seqs", default="2048,4096,8192,16384")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/results/kernels_gpu.jsonl")
+    args = ap.parse_args()
+    base_module = load_module(args.baseline)
+    total, heads, hd = 16384, 16, 128
+    print(f"{jax.devices()[0]} jax {jax.__version__}; baseline {args.baseline} {args.label}", flush=True)
+    table = []
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        b = total // seq
+        ks = jax.random.split(jax.random.PRNGKey(seq), 3)
+        q, k, v = (jax.random.normal(kk, (b, seq, heads, hd), jnp.bfloat16) for kk in ks)
+        for causal in (True, False):
+            flops = 4 * b * heads * seq * seq * hd * (0.5 if causal else 1.0)
+            fns = {
+                "cudnn": jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(
+                    q, k, v, is_causal=c, implementation="cudnn")),
+                "baseline": jax.jit(lambda q, k, v, c=causal: base_module.flash_attention(q, k, v, causal=c)),
+                "ours": jax.jit(lambda q, k, v, c=causal: ours_module.flash_attention(q, k, v, causal=c)),
+            }
+            best = {name: float("inf") for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    best[name] = min(best[name], timed(fn, q, k, v, inner=10))
+            tf = {name: flops / t / 1e12 for name, t in best.items()}
+            err = rel_err(fns["ours"](q, k, v), fns["cudnn"](q, k, v))
+            config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16",
+                          err_vs_cudnn=err, rounds=args.rounds, baseline_file=args.label or args.baseline)
+            record(args.out, "flash_attention_ab", config, "throughput", tf["ours"], "TFLOP/s", "previous kernel",
+                   tf["baseline"])
+            record(args.out, "flash_attention", config, "throughput", tf["ours"], "TFLOP/s", "cudnn", tf["cudnn"])
+            line = (f"s={seq:5d} causal={causal!s:5}  ours {tf['ours']:6.1f}  baseline {tf['baseline']:6.1f}  "
+                    f"cudnn {tf['cudnn']:6.1f} TFLOP/s  ours/baseline {tf['ours'] / tf['baseline']:5.3f}  "
+                    f"ours/cudnn {tf['ours'] / tf['cudnn']:5.3f}  baseline/cudnn {tf['baseline'] / tf['cudnn']:5.3f}"
+                    f"  err {err:.1e}")
+            print(line, flush=True)
+            table.append(line)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
