@@ -13,8 +13,10 @@ shared-memory buffers (TMA, completing on one barrier per slot). Each compute wa
 its [64, block_k] int8 rows into registers, converts them to bfloat16 (exact: |v| <= 127) and
 issues wgmma with A in registers and the activation tile as a transposed (K-major) B from shared
 memory. The float32 product of each scale group is multiplied by that group's per-channel scales
-and summed in registers; outᵀ goes out through shared memory by TMA. With several k splits each
-writes a float32 partial, summed afterwards (decode has too few output tiles to fill 132 SMs).
+and summed in registers; the tile is transposed back in registers and out [m, n] goes out through
+shared memory by TMA, so no transpose follows the kernel. With several k splits each writes a
+float32 partial, summed afterwards (decode has too few output tiles to fill 132 SMs) by a sum of
+slices that XLA fuses into the product's consumer.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -101,9 +104,9 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
             bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
     # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
-    # o_ref: [n, m_pad] (out dtype), or [splits, n, m_pad] f32 partials when k is split
+    # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
     # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
-    # s_smem: [groups in this split, block_n] f32; o_smem: [compute wgs, 64, block_m]
+    # s_smem: [groups in this split, block_n] f32; o_smem: [compute wgs, block_m, 64]
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
     nt, split, mt, wg = (lax.axis_index(a) for a in ("n", "split", "m", "wg"))
     compute_wgs = block_n // ROWS
@@ -190,10 +193,16 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
         total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
-        o_smem.at[wg][...] = total.astype(o_smem.dtype)
+        # outᵀ's tile back to out [block_m, 64]: the registers trade pairs (one shuffle) into the transposed
+        # layout, whose stores into a transposed view of o_smem write out's rows.
+        if interpreted:  # the interpreter has no transposed view to store through
+            o_smem.at[wg][...] = total.T.astype(o_smem.dtype)
+        else:
+            total = plgpu.layout_cast(total.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(o_smem.at[wg], (1, 0))[...] = total
         plgpu.commit_smem()
-        rows = pl.ds(n0 + wg * ROWS, ROWS)
-        dst = o_ref.at[split, rows, pl.ds(m0, block_m)] if partial else o_ref.at[rows, pl.ds(m0, block_m)]
+        cols = pl.ds(n0 + wg * ROWS, ROWS)
+        dst = o_ref.at[split, pl.ds(m0, block_m), cols] if partial else o_ref.at[pl.ds(m0, block_m), cols]
         plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
         plgpu.wait_smem_to_gmem(0)
 
@@ -219,7 +228,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     compute_wgs = bs.block_n // ROWS
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
     o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
-    out_type = jax.ShapeDtypeStruct((splits, n, m_pad) if partial else (n, m_pad), o_dtype)
+    out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     int8_swizzle = bs.block_k  # int8: one byte per input, so the swizzle is the tile's row width in bytes
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
     kernel = plgpu.kernel(
@@ -230,7 +239,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
             plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms),
             plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
-            plgpu.SMEM((compute_wgs, ROWS, bs.block_m), o_dtype),
+            plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
@@ -242,6 +251,6 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
         interpret=params,
     )
     out = kernel(xp, values, scales.astype(jnp.float32))
-    if partial:
-        out = jnp.sum(out, axis=0)
-    return out[:, :m].T.astype(out_dtype)
+    if partial:  # a sum of slices, not a reduction: elementwise, it fuses into whatever consumes the product
+        out = functools.reduce(operator.add, (out[i] for i in range(splits)))
+    return out[:m].astype(out_dtype)
