@@ -210,8 +210,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
-                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_pad_per_product "
-                         "(the kernel with each product padding its activations, as before the step padded its rows)")
+                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_persistent "
+                         "(the kernel with BlockSizes(persistent=True): one program per SM taking items in turn)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
     ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
                                                   "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
@@ -238,18 +238,18 @@ def main() -> None:
                        param_bytes(bf16), higher_is_better=False))
     rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
                        linear_bytes(bf16), higher_is_better=False))
-    variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference"), "int8_pad_per_product": int8}
+    variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference"), "int8_persistent": int8}
     variants = {name: variants[name] for name in args.variants.split(",")}
     for batch in batches:
         steps = {}  # every variant compiled first, then their timings alternate (a slow spell hits them all)
         for name, weights in variants.items():
             try:
-                qmm_gpu.ROW_MULTIPLE = 1 if name == "int8_pad_per_product" else 8  # read when the step is traced
+                qmm_gpu.DEFAULT_BLOCK_SIZES = qmm_gpu.BlockSizes(persistent=name == "int8_persistent")  # read when traced
                 steps[name] = decode_step(cfg, weights, batch, args.context)
             except Exception:
                 traceback.print_exc()
             finally:
-                qmm_gpu.ROW_MULTIPLE = 8
+                qmm_gpu.DEFAULT_BLOCK_SIZES = qmm_gpu.BlockSizes()
         times = {name: [] for name in steps}
         for _ in range(args.reps):
             for name, (step, state, inp) in steps.items():
@@ -260,7 +260,7 @@ def main() -> None:
         for name, t in seconds.items():
             print(f"batch {batch} {name}: {t * 1e3:.3f} ms/step (median of {args.reps} alternated)", flush=True)
         del steps
-        for name in ("int8", "int8_xla", "int8_pad_per_product"):
+        for name in ("int8", "int8_xla", "int8_persistent"):
             if name in seconds:
                 rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": name},
                                    "tokens_per_s", batch / seconds[name], "tok/s", "bfloat16",

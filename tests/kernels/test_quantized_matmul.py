@@ -97,6 +97,39 @@ class TestMosaicGPUInterpret(InterpretSuite):
         assert default_splits(1, 14336, 4096, 4096, 128, 128, 8) == 1
 
 
+    def test_persistent_splits_are_finer_where_items_fill_the_rounds(self):
+        from pallas_kernels.quantized_matmul.mosaic_gpu import default_splits
+
+        # without a refill per item, 8B's qkv (48 tiles) and gate_up (224 tiles) split until 132 SMs get equal work
+        assert default_splits(8, 6144, 4096, 4096, 128, 128, 8, persistent=True) == 8
+        assert default_splits(8, 28672, 4096, 4096, 128, 128, 8, persistent=True) == 4
+        assert default_splits(8, 128256, 4096, 4096, 128, 128, 8, persistent=True) == 1
+
+
+# (programs the chip is taken to have, num_splits, m, n, k, group): several items a program, uneven counts (5
+# programs for 12 items: 3, 3, 2, 2, 2), one step an item (the scales' double buffer and the ring wrap every item),
+# scale groups inside a split, and unsplit output written straight in its dtype (2 programs for 3 tiles)
+PERSISTENT_CASES = [(5, 4, 5, 384, 512, 128), (3, 2, 8, 256, 512, 512), (2, 1, 1, 384, 256, 128)]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("persistent_case", PERSISTENT_CASES)
+def test_persistent_programs_take_items_in_turn(persistent_case, interpret, monkeypatch):
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    sms, splits, m, n, k, group = persistent_case
+    monkeypatch.setattr(mosaic_gpu, "NUM_SMS", sms)
+    rng = np.random.default_rng(1)
+    values, scales = random_weight(rng, n, k, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bs = mosaic_gpu.BlockSizes(persistent=True, num_splits=splits, stages=2)
+    out = quantized_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu",
+                           interpret=interpret, block_sizes=bs, out_dtype=jnp.float32)
+    want = truth(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), values, scales)
+    # unsplit output leaves the kernel in 16 bits (mosaic_dtype), split partials in float32
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
     CASES = [("bfloat16", 1, 128, 256, 256), ("float32", 5, 256, 512, 128)]
