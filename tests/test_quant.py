@@ -252,9 +252,12 @@ def test_decode_pads_its_rows_once_for_the_kernel_and_writes_only_real_rows():
 
     cfg = PRESETS["smoke"]
     weights = quantize_weights(random_weights(cfg, jax.random.key(0), jnp.float32), QuantConfig(mode="int8"))
-    on = {b: jax.tree_util.tree_map(lambda x: dataclasses.replace(x, backend=b) if isinstance(x, QuantizedArray)
-                                    else x, weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
-          for b in ("pallas", "reference")}
+    def on_backend(backend):
+        return jax.tree_util.tree_map(lambda x: dataclasses.replace(x, backend=backend)
+                                      if isinstance(x, QuantizedArray) else x,
+                                      weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
+
+    on = {b: on_backend(b) for b in ("pallas", "reference")}
     rows, pages = 3, 2
     cache = KVCache.zeros(cfg, rows * pages, 16, jnp.float32, padding_page=True)
     cache = dataclasses.replace(cache, k=tuple(jnp.asarray(RNG.standard_normal(k.shape), jnp.float32) for k in cache.k))

@@ -45,6 +45,7 @@ WAVE_BYTES_PER_SM = 40_000
 # What one more work item costs a persistent program beyond its bytes: the scale, store and hand-over between
 # items while the copies run on (the pipeline is not refilled). An estimate, a fifth of a wave's fill.
 ITEM_BYTES_PER_SM = 8_000
+SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
 
 
@@ -55,7 +56,8 @@ class BlockSizes:
     block_n: int | None = None  # output channels per program, 64 per compute warpgroup; None: 128 where n allows
     block_k: int | None = None  # inputs per pipeline step: 128 (one 128-byte int8 row) where k allows, else 64
     block_m: int | None = None  # activation rows per program (wgmma N: multiple of 8, <= 256); None: m up to 128
-    stages: int = 4  # weight tiles in flight per program (4 x 16 KiB covers the H100's memory latency)
+    stages: int | None = None  # tiles in flight per program; None: 4 (4 x 16 KiB covers the H100's memory latency),
+    # fewer where 4 do not fit in shared memory (wide activation tiles)
     num_splits: int | None = None  # k splits; None: the fewest that fill the chip (see default_splits)
     # One program per SM, each taking (tile, k split) items in turn with its copies running on from one item to
     # the next, instead of one program per item: finer splits then cost no pipeline refill (see default_splits).
@@ -66,10 +68,32 @@ DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark
 
 
 def supports(m: int, n: int, k: int, group_size: int, dtype: Any) -> bool:
-    """Whether the kernel takes these shapes (the API sends others to XLA under backend="auto")."""
-    del m
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) and n % ROWS == 0 and k % 64 == 0
-            and group_size % 64 == 0)
+    """Whether the kernel takes these shapes with its default tiling (the API sends others to XLA under "auto")."""
+    if not (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) and n % ROWS == 0 and k % 64 == 0
+            and group_size % 64 == 0):
+        return False
+    try:
+        _resolve(DEFAULT_BLOCK_SIZES, m, n, k, group_size)
+    except ValueError:  # no tiling fits in shared memory
+        return False
+    return True
+
+
+def scale_buffers(bs: BlockSizes, n: int) -> int:
+    """Items' scales held at once: two where a program takes several items in turn (the next one's copy lands
+    while this one's are in use), else one."""
+    return 2 if bs.persistent and n // bs.block_n * bs.num_splits > NUM_SMS else 1
+
+
+def smem_bytes(bs: BlockSizes, n: int, k: int, group: int) -> int:
+    """Shared memory of one program: the tile ring (16-bit activations, int8 weights), the scales, the output
+    tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
+    lowering counted 496 bytes more than the buffers alone at 128 rows)."""
+    k_split = k // bs.num_splits
+    ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
+    scales = scale_buffers(bs, n) * max(1, k_split // group) * bs.block_n * 4
+    out = bs.block_n * bs.block_m * (4 if bs.num_splits > 1 else 2)
+    return ring + scales + out + 8 * (4 + 2 * bs.stages) + 1024
 
 
 def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
@@ -87,8 +111,14 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
-    return BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stages=bs.stages, num_splits=splits,
-                      persistent=bs.persistent)
+    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stages=bs.stages or 4,
+                          num_splits=splits, persistent=bs.persistent)
+    while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, n, k, group) > SMEM_BYTES:
+        resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
+    if (need := smem_bytes(resolved, n, k, group)) > SMEM_BYTES:
+        raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has; "
+                         f"use fewer stages or a smaller block_m (m={m})")
+    return resolved
 
 
 def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: int, block_m: int, *,
@@ -114,11 +144,12 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s_free, tile_bar, free_bar, *,
-            bs: BlockSizes, k_split: int, group: int, partial: bool, items: int, programs: int, interpreted: bool):
+            bs: BlockSizes, k_split: int, group: int, partial: bool, items: int, programs: int, scale_slots: int,
+            interpreted: bool):
     # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
     # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
     # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
-    # s_smem: [2, groups in a split, block_n] f32 (one item's scales, double-buffered); o_smem: [compute wgs, block_m, 64]
+    # s_smem: [scale_slots, groups in a split, block_n] f32 (an item's scales a slot); o_smem: [compute wgs, block_m, 64]
     # Program p takes the items (output tile, k split) p, p + programs, ...: one each unless persistent.
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
     p, mt, wg = (lax.axis_index(a) for a in ("p", "m", "wg"))
@@ -149,12 +180,12 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
             n0, split = item_at(i)
             k0 = split * k_split
 
-            @pl.when(i >= 2)
+            @pl.when(i >= scale_slots)
             def _():
-                plgpu.barrier_wait(s_free.at[lax.rem(i, 2)])  # item i - 2 is done with these scales
+                plgpu.barrier_wait(s_free.at[lax.rem(i, scale_slots)])  # the item before is done with this slot
 
             plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[1]), pl.ds(n0, block_n)],
-                                    s_smem.at[lax.rem(i, 2)], s_bar.at[lax.rem(i, 2)])
+                                    s_smem.at[lax.rem(i, scale_slots)], s_bar.at[lax.rem(i, scale_slots)])
 
             def step(j, carry):
                 g = i * steps + j  # the copies run on from one item to the next: one ring for all
@@ -183,7 +214,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
             lax.fori_loop(max(end - size, 0) if programs == items else jnp.maximum(end - size, 0), end, wait, None)
 
         drain(free_bar, stages, count * steps)
-        drain(s_free, 2, count)
+        drain(s_free, scale_slots, count)
 
     @pl.when(wg < compute_wgs)
     def _compute():
@@ -229,8 +260,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
 
         def item_product(i, carry):
             n0, split = item_at(i)
-            scales = s_smem.at[lax.rem(i, 2)]
-            plgpu.barrier_wait(s_bar.at[lax.rem(i, 2)])
+            scales = s_smem.at[lax.rem(i, scale_slots)]
+            plgpu.barrier_wait(s_bar.at[lax.rem(i, scale_slots)])
 
             def scaled_segment(seg, total):
                 part = segment_product(i * steps + seg * segment)
@@ -239,7 +270,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
                 return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
             total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
-            plgpu.barrier_arrive(s_free.at[lax.rem(i, 2)])
+            plgpu.barrier_arrive(s_free.at[lax.rem(i, scale_slots)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's tile has left o_smem
             # outᵀ's tile back to out [block_m, 64]: the registers trade pairs (one shuffle) into the transposed
             # layout, whose stores into a transposed view of o_smem write out's rows.
@@ -284,17 +315,18 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
     items = n // bs.block_n * splits  # (output tile, k split) per row tile
     programs = min(NUM_SMS, items) if bs.persistent else items
+    slots = scale_buffers(bs, n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, bs=bs, k_split=k_split, group=group, partial=partial, items=items,
-                          programs=programs, interpreted=params is not None),
+                          programs=programs, scale_slots=slots, interpreted=params is not None),
         out_type=out_type,
         scratch_types=(
             plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
             plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms),
-            plgpu.SMEM((2, max(1, k_split // group), bs.block_n), jnp.float32),
+            plgpu.SMEM((slots, max(1, k_split // group), bs.block_n), jnp.float32),
             plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # an item's scales copied
-            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # an item's scales used
+            plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # an item's scales copied
+            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=slots),  # an item's scales used
             plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
         ),

@@ -139,3 +139,26 @@ class TestMosaicTPUInterpret(InterpretSuite):
 class TestMosaicGPU(MatmulSuite):
     backend = "mosaic_gpu"
     interpret = False
+
+
+@pytest.mark.parametrize("rows", [8, 104, 128])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_decode_tilings_fit_in_shared_memory_and_lower_for_cuda(rows, persistent):
+    """Every 8B decode product up to MAX_KERNEL_ROWS rows gets a tiling that fits the H100's shared memory (fewer
+    stages for wide activation tiles), checked by lowering the kernel for CUDA here on the CPU."""
+    import jax
+
+    from pallas_kernels.quantized_matmul import MAX_KERNEL_ROWS, mosaic_gpu
+
+    assert rows <= MAX_KERNEL_ROWS
+    bs = mosaic_gpu.BlockSizes(persistent=persistent)
+    for n, k, group in [(6144, 4096, 4096), (4096, 4096, 4096), (28672, 4096, 4096), (4096, 14336, 14336),
+                        (28672, 4096, 128)]:
+        assert mosaic_gpu.supports(rows, n, k, group, jnp.bfloat16)
+        shapes = [jax.ShapeDtypeStruct(s, d) for s, d in
+                  [((rows, k), jnp.bfloat16), ((n, k), jnp.int8), ((k // group, n), jnp.float32)]]
+        jax.jit(lambda x, v, s: mosaic_gpu.quantized_matmul(x, v, s, block_sizes=bs, interpret=False)).trace(
+            *shapes).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        mosaic_gpu.quantized_matmul(jnp.zeros((128, 14336), jnp.bfloat16), jnp.zeros((4096, 14336), jnp.int8),
+                                    jnp.ones((1, 4096), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(stages=4))
