@@ -20,11 +20,10 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record, timed  # noqa: E402
-from benchmarks.kernels_gpu import rel_err  # noqa: E402
+from benchmarks.kernels_gpu import cudnn_attention, flash_flops, flash_problem, rel_err  # noqa: E402
 from pallas_kernels.flash_attention import mosaic_gpu as ours_module  # noqa: E402
 
 
@@ -45,18 +44,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.jsonl")
     args = ap.parse_args()
     base_module = load_module(args.baseline)
-    total, heads, hd = 16384, 16, 128
     print(f"{jax.devices()[0]} jax {jax.__version__}; baseline {args.baseline} {args.label}", flush=True)
     table = []
     for seq in [int(s) for s in args.seqs.split(",")]:
-        b = total // seq
-        ks = jax.random.split(jax.random.PRNGKey(seq), 3)
-        q, k, v = (jax.random.normal(kk, (b, seq, heads, hd), jnp.bfloat16) for kk in ks)
+        q, k, v = flash_problem(seq)
+        b, _, heads, hd = q.shape
         for causal in (True, False):
-            flops = 4 * b * heads * seq * seq * hd * (0.5 if causal else 1.0)
+            flops = flash_flops(q, causal)
             fns = {
-                "cudnn": jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(
-                    q, k, v, is_causal=c, implementation="cudnn")),
+                "cudnn": cudnn_attention(causal),
                 "baseline": jax.jit(lambda q, k, v, c=causal: base_module.flash_attention(q, k, v, causal=c)),
                 "ours": jax.jit(lambda q, k, v, c=causal: ours_module.flash_attention(q, k, v, causal=c)),
             }

@@ -52,18 +52,30 @@ def copy_bandwidth_device() -> float:
     return 2 * x.nbytes * count / seconds if seconds else float("nan")
 
 
+def flash_problem(seq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v [batch, seq, 16 heads, 128] bfloat16, batch · seq = 16k tokens: the flash benchmarks' shapes."""
+    ks = jax.random.split(jax.random.PRNGKey(seq), 3)
+    return tuple(jax.random.normal(kk, (16384 // seq, seq, 16, 128), jnp.bfloat16) for kk in ks)
+
+
+def flash_flops(q: jax.Array, causal: bool) -> float:
+    b, seq, heads, hd = q.shape
+    return 4 * b * heads * seq * seq * hd * (0.5 if causal else 1.0)
+
+
+def cudnn_attention(causal: bool):
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"))
+
+
 def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (2048, 4096, 8192, 16384)) -> None:
-    total, heads, hd = 16384, 16, 128
     for seq in (2048, 4096) if quick else seqs:
-        b = total // seq
-        ks = jax.random.split(jax.random.PRNGKey(seq), 3)
-        q, k, v = (jax.random.normal(kk, (b, seq, heads, hd), jnp.bfloat16) for kk in ks)
+        q, k, v = flash_problem(seq)
+        b, _, heads, hd = q.shape
         for causal in (True, False):
-            flops = 4 * b * heads * seq * seq * hd * (0.5 if causal else 1.0)
+            flops = flash_flops(q, causal)
             configs = [flash_gpu.BlockSizes(block_k=128, stages=2), flash_gpu.BlockSizes(block_k=128, stages=3),
                        flash_gpu.BlockSizes(block_k=64, stages=4)]
-            cudnn = jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c,
-                                                                                  implementation="cudnn"))
+            cudnn = cudnn_attention(causal)
             t_cudnn_before = timed(cudnn, q, k, v, inner=10)  # cuDNN is timed before and after ours: best of both
             best = None
             for bs in configs:

@@ -79,10 +79,13 @@ def supports(m: int, n: int, k: int, group_size: int, dtype: Any) -> bool:
     return True
 
 
-def scale_buffers(bs: BlockSizes, n: int) -> int:
-    """Items' scales held at once: two where a program takes several items in turn (the next one's copy lands
-    while this one's are in use), else one."""
-    return 2 if bs.persistent and n // bs.block_n * bs.num_splits > NUM_SMS else 1
+def work(bs: BlockSizes, n: int) -> tuple[int, int, int]:
+    """(items, programs, scale slots) of a row tile: (output tile, k split) items, one program per item or, when
+    persistent, per SM; a program taking several items holds two items' scales (the next lands while these are
+    in use), else one."""
+    items = n // bs.block_n * bs.num_splits
+    programs = min(NUM_SMS, items) if bs.persistent else items
+    return items, programs, 1 if programs == items else 2
 
 
 def smem_bytes(bs: BlockSizes, n: int, k: int, group: int) -> int:
@@ -91,7 +94,7 @@ def smem_bytes(bs: BlockSizes, n: int, k: int, group: int) -> int:
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
     k_split = k // bs.num_splits
     ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
-    scales = scale_buffers(bs, n) * max(1, k_split // group) * bs.block_n * 4
+    scales = work(bs, n)[2] * max(1, k_split // group) * bs.block_n * 4
     out = bs.block_n * bs.block_m * (4 if bs.num_splits > 1 else 2)
     return ring + scales + out + 8 * (4 + 2 * bs.stages) + 1024
 
@@ -144,8 +147,7 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s_free, tile_bar, free_bar, *,
-            bs: BlockSizes, k_split: int, group: int, partial: bool, items: int, programs: int, scale_slots: int,
-            interpreted: bool):
+            bs: BlockSizes, k_split: int, group: int, partial: bool, items: int, programs: int, interpreted: bool):
     # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
     # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
     # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
@@ -156,6 +158,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
     compute_wgs = block_n // ROWS
     m0 = mt * block_m
     count = 1 if programs == items else lax.div(items - p + programs - 1, programs)  # this program's items
+    scale_slots = s_smem.shape[0]  # 1, or 2 where a program takes several items (see work)
     steps = k_split // block_k  # per item
     segment = min(group, k_split) // block_k  # steps sharing one scale
     num_segments = steps // segment
@@ -313,12 +316,10 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     int8_swizzle = bs.block_k  # int8: one byte per input, so the swizzle is the tile's row width in bytes
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
-    items = n // bs.block_n * splits  # (output tile, k split) per row tile
-    programs = min(NUM_SMS, items) if bs.persistent else items
-    slots = scale_buffers(bs, n)
+    items, programs, slots = work(bs, n)
     kernel = plgpu.kernel(
         functools.partial(_kernel, bs=bs, k_split=k_split, group=group, partial=partial, items=items,
-                          programs=programs, scale_slots=slots, interpreted=params is not None),
+                          programs=programs, interpreted=params is not None),
         out_type=out_type,
         scratch_types=(
             plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
