@@ -147,7 +147,8 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
 def parse_tiling(text: str) -> qmm_gpu.BlockSizes:
     """"default" or "stages=6,block_n=64": the kernel's BlockSizes with these fields set."""
     fields = dict(item.split("=") for item in text.split(",") if item != "default")
-    return qmm_gpu.BlockSizes(**{name: int(value) for name, value in fields.items()})
+    return qmm_gpu.BlockSizes(**{name: bool(int(value)) if name == "persistent" else int(value)
+                                 for name, value in fields.items()})
 
 
 def device_seconds(fn, args, reps: int = 20) -> float:
@@ -210,14 +211,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
-                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_persistent "
-                         "(the kernel with BlockSizes(persistent=True): one program per SM taking items in turn)")
+                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, and int8@TILING: the "
+                         "kernel with another tiling, fields joined by '+' (int8@block_k=128+stages=4+persistent=0)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
     ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
                                                   "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (a quicker A/B of tilings)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     if args.smoke:
         args.steps, args.reps, args.context = 2, 1, 40
     out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
@@ -233,18 +237,20 @@ def main() -> None:
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     int8 = quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
     model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
+    model += f", {cfg.num_layers} layers" if args.layers else ""
     base = {"model": model, "context": args.context, "steps": args.steps}
     rows.append(record(out, "int8_param_bytes", base, "parameter_bytes", param_bytes(int8), "bytes", "bfloat16",
                        param_bytes(bf16), higher_is_better=False))
     rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
                        linear_bytes(bf16), higher_is_better=False))
-    variants = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference"), "int8_persistent": int8}
-    variants = {name: variants[name] for name in args.variants.split(",")}
+    named = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference")}
+    variants = {name: named["int8" if name.startswith("int8@") else name] for name in args.variants.split(",")}
     for batch in batches:
         steps = {}  # every variant compiled first, then their timings alternate (a slow spell hits them all)
         for name, weights in variants.items():
             try:
-                qmm_gpu.DEFAULT_BLOCK_SIZES = qmm_gpu.BlockSizes(persistent=name == "int8_persistent")  # read when traced
+                if name.startswith("int8@"):  # read when the step is traced
+                    qmm_gpu.DEFAULT_BLOCK_SIZES = parse_tiling(name.split("@", 1)[1].replace("+", ","))
                 steps[name] = decode_step(cfg, weights, batch, args.context)
             except Exception:
                 traceback.print_exc()
@@ -260,8 +266,8 @@ def main() -> None:
         for name, t in seconds.items():
             print(f"batch {batch} {name}: {t * 1e3:.3f} ms/step (median of {args.reps} alternated)", flush=True)
         del steps
-        for name in ("int8", "int8_xla", "int8_persistent"):
-            if name in seconds:
+        for name in seconds:
+            if name != "bfloat16":
                 rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": name},
                                    "tokens_per_s", batch / seconds[name], "tok/s", "bfloat16",
                                    batch / seconds["bfloat16"] if "bfloat16" in seconds else None))

@@ -45,6 +45,7 @@ WAVE_BYTES_PER_SM = 40_000
 # What one more work item costs a persistent program beyond its bytes: the scale, store and hand-over between
 # items while the copies run on (the pipeline is not refilled). An estimate, a fifth of a wave's fill.
 ITEM_BYTES_PER_SM = 8_000
+WIDE_STEP_ROWS = 16  # up to this many activation rows, a step takes 256 inputs (see _resolve)
 SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
 
@@ -54,13 +55,16 @@ class BlockSizes:
     """Tiling of the Mosaic GPU quantized matmul."""
 
     block_n: int | None = None  # output channels per program, 64 per compute warpgroup; None: 128 where n allows
-    block_k: int | None = None  # inputs per pipeline step: 128 (one 128-byte int8 row) where k allows, else 64
+    block_k: int | None = None  # inputs per pipeline step, 64-512; None: 256 (each weight row read 256 contiguous
+    # bytes at a time) for up to WIDE_STEP_ROWS rows where it divides k and the scale group, else 128, else 64
     block_m: int | None = None  # activation rows per program (wgmma N: multiple of 8, <= 256); None: m up to 128
-    stages: int | None = None  # tiles in flight per program; None: 4 (4 x 16 KiB covers the H100's memory latency),
-    # fewer where 4 do not fit in shared memory (wide activation tiles)
+    stages: int | None = None  # tiles in flight per program; None: 4 of 128 inputs or 3 of 256 (64-96 KiB of weight
+    # covers the H100's memory latency), fewer where those do not fit in shared memory (wide activation tiles)
     num_splits: int | None = None  # k splits; None: the fewest that fill the chip (see default_splits)
     # One program per SM, each taking (tile, k split) items in turn with its copies running on from one item to
     # the next, instead of one program per item: finer splits then cost no pipeline refill (see default_splits).
+    # Off by default: it won only on qkv timed alone (10.5 against 11.9 us) and lost in the decode step (4 layers of
+    # the 8B: 0.841 ms a step with qkv, wo and down persistent, 0.812 without) and on gate_up alone (48.7 / 45.4 us).
     persistent: bool = False
 
 
@@ -100,13 +104,22 @@ def smem_bytes(bs: BlockSizes, n: int, k: int, group: int) -> int:
 
 
 def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
+    if bs.block_k is None:  # 256 inputs a step for decode's few rows where they divide k and the group and fit at
+        # 3 stages (measured at 8 rows; wider activation tiles keep 128 until measured), else 128, else 64
+        if k % 256 == 0 and group % 256 == 0 and (bs.block_m or m) <= WIDE_STEP_ROWS:
+            try:
+                return _resolve(dataclasses.replace(bs, block_k=256, stages=bs.stages or 3), m, n, k, group)
+            except ValueError:  # wide activation tiles: 128 a step, with fewer stages if need be
+                pass
+        return _resolve(dataclasses.replace(bs, block_k=128 if k % 128 == 0 and group % 128 == 0 else 64), m, n, k,
+                        group)
     block_n = bs.block_n or (128 if n % 128 == 0 else ROWS)
-    block_k = bs.block_k or (128 if k % 128 == 0 and group % 128 == 0 else 64)
+    block_k = bs.block_k
     block_m = bs.block_m or min(-(-m // 8) * 8, 128)
     if n % block_n or block_n % ROWS:
         raise ValueError(f"n={n} must be a multiple of block_n={block_n}, itself a multiple of {ROWS}")
-    if block_k not in (64, 128) or k % block_k or group % block_k:
-        raise ValueError(f"block_k={block_k} must be 64 or 128 and divide k={k} and the scale group {group}")
+    if block_k not in (64, 128, 256, 512) or k % block_k or group % block_k:
+        raise ValueError(f"block_k={block_k} must be 64, 128, 256 or 512 and divide k={k} and the scale group {group}")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N)")
     splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m, persistent=bs.persistent)
@@ -114,8 +127,8 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
-    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stages=bs.stages or 4,
-                          num_splits=splits, persistent=bs.persistent)
+    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m,
+                          stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, persistent=bs.persistent)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, n, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
     if (need := smem_bytes(resolved, n, k, group)) > SMEM_BYTES:
@@ -225,11 +238,11 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
 
-        def weight_tile(slot):
+        def weight_tile(slot, cols=slice(None)):
             # int8 rows of this warpgroup -> bfloat16 registers in the wgmma A layout. The load uses the
             # layout made for upcasting 8-bit data (32-bit shared-memory reads, 4 values each); one warp
             # shuffle then moves the converted values into the WGMMA layout that A-in-registers needs.
-            w = w_smem.at[slot, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)][...]
+            w = w_smem.at[slot, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS), cols][...]
             w = with_layout(w, plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
             return wgmma(w.astype(jnp.bfloat16))
 
@@ -251,7 +264,12 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
                     plgpu.barrier_wait(tile_bar.at[slot])
                     # B = the activation tile [block_m, block_k] read K-major (transposed): the 16-bit
                     # wgmma takes either major order, and this one needs no transpose of x in memory.
-                    plgpu.wgmma(acc_ref, weight_tile(slot), x_smem.at[slot].transpose((1, 0)))
+                    # A 256-wide step is two 128-byte swizzle tiles: both are converted before either
+                    # product is issued, so no register of an issued wgmma is written while it runs.
+                    chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+                    tiles = [weight_tile(slot, cols) for cols in chunks]
+                    for tile, cols in zip(tiles, chunks):
+                        plgpu.wgmma(acc_ref, tile, x_smem.at[slot, :, cols].transpose((1, 0)))
                     plgpu.wgmma_wait(0)  # the tile is read before its slot is handed back to the producer
                     plgpu.barrier_arrive(free_bar.at[slot])
                     return carry
@@ -314,7 +332,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
     o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
     out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
-    int8_swizzle = bs.block_k  # int8: one byte per input, so the swizzle is the tile's row width in bytes
+    int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
     items, programs, slots = work(bs, n)
     kernel = plgpu.kernel(

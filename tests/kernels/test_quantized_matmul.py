@@ -106,6 +106,47 @@ class TestMosaicGPUInterpret(InterpretSuite):
         assert default_splits(8, 128256, 4096, 4096, 128, 128, 8, persistent=True) == 1
 
 
+# (m, n, k, group, num_splits): a 256-input step is two 128-byte swizzle tiles a row, converted together, then two
+# products; one split or two, per-channel or per-group scales, through the ring more than once
+WIDE_STEP_CASES = [(5, 128, 1024, 1024, 1), (3, 256, 1024, 256, 2), (8, 128, 512, 512, 2)]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("wide_case", WIDE_STEP_CASES)
+def test_steps_of_256_inputs_match_float64(wide_case, interpret):
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    m, n, k, group, splits = wide_case
+    rng = np.random.default_rng(3)
+    values, scales = random_weight(rng, n, k, group)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    bs = mosaic_gpu.BlockSizes(block_k=256, stages=2, num_splits=splits)
+    out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu", interpret=interpret,
+                           block_sizes=bs, out_dtype=jnp.float32)
+    want = truth(np.asarray(x.astype(jnp.float32)), values, scales)
+    # unsplit output leaves the kernel in 16 bits (mosaic_dtype), split partials in float32
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_decode_rows_take_steps_of_256_inputs():
+    """Up to WIDE_STEP_ROWS rows a step takes 256 inputs at 3 stages (measured faster on the H100 at 8 rows: every 8B
+    decode product, the head from 93 to 99 % of a device copy); more rows, or k or scale groups that 256 does not
+    divide, keep 128 (or 64) at 4 stages or fewer."""
+    from pallas_kernels.quantized_matmul.mosaic_gpu import WIDE_STEP_ROWS, BlockSizes, _resolve
+
+    def tiling(m, n, k, group, **fields):
+        bs = _resolve(BlockSizes(**fields), m, n, k, group)
+        return bs.block_k, bs.stages
+
+    assert tiling(1, 28672, 4096, 4096) == (256, 3)
+    assert tiling(WIDE_STEP_ROWS, 4096, 14336, 14336) == (256, 3)
+    assert tiling(WIDE_STEP_ROWS + 1, 28672, 4096, 4096) == (128, 4)
+    assert tiling(8, 28672, 4096, 128) == (128, 4)  # per-group scales of 128
+    assert tiling(8, 4096, 4224, 4224) == (128, 4)  # k = 33 x 128
+    assert tiling(8, 4096, 4096, 4096, stages=2) == (256, 2)
+    assert tiling(8, 4096, 4096, 4096, num_splits=32) == (128, 4)  # a split of 128 inputs: no 256-input step
+
+
 # (programs the chip is taken to have, num_splits, m, n, k, group): several items a program, uneven counts (5
 # programs for 12 items: 3, 3, 2, 2, 2), one step an item (the scales' double buffer and the ring wrap every item),
 # scale groups inside a split, and unsplit output written straight in its dtype (2 programs for 3 tiles)
