@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
     ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
                                                   "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
-    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model's (a quicker A/B of tilings)")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quicker A/B of tilings)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -252,8 +252,11 @@ def main() -> None:
                 if name.startswith("int8@"):  # read when the step is traced
                     qmm_gpu.DEFAULT_BLOCK_SIZES = parse_tiling(name.split("@", 1)[1].replace("+", ","))
                 steps[name] = decode_step(cfg, weights, batch, args.context)
-            except Exception:
+            except Exception as e:  # the other variants still run; the failure is kept with the results
                 traceback.print_exc()
+                rows.append(record(out, "int8_decode_error", {**base, "batch": batch, "weights": name,
+                                                              "error": f"{type(e).__name__}: {e}"[:500]},
+                                   "compiled", 0.0, "1"))
             finally:
                 qmm_gpu.DEFAULT_BLOCK_SIZES = qmm_gpu.BlockSizes()
         times = {name: [] for name in steps}

@@ -12,11 +12,13 @@ tile [block_n, block_k] and the activation tile [block_m, block_k] into a ring o
 shared-memory buffers (TMA, completing on one barrier per slot). Each compute warpgroup loads
 its [64, block_k] int8 rows into registers, converts them to bfloat16 (exact: |v| <= 127) and
 issues wgmma with A in registers and the activation tile as a transposed (K-major) B from shared
-memory. The float32 product of each scale group is multiplied by that group's per-channel scales
-and summed in registers; the tile is transposed back in registers and out [m, n] goes out through
-shared memory by TMA, so no transpose follows the kernel. With several k splits each writes a
-float32 partial, summed afterwards (decode has too few output tiles to fill 132 SMs) by a sum of
-slices that XLA fuses into the product's consumer.
+memory, one wgmma per 128 inputs (a 128-byte swizzle tile of int8; decode's steps take 256
+inputs, so each weight row is read 256 contiguous bytes at a time). The float32 product of each
+scale group is multiplied by that group's per-channel scales and summed in registers; the tile is
+transposed back in registers and out [m, n] goes out through shared memory by TMA, so no
+transpose follows the kernel. With several k splits each writes a float32 partial, summed
+afterwards (decode has too few output tiles to fill 132 SMs) by a sum of slices that XLA fuses
+into the product's consumer.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ class BlockSizes:
     """Tiling of the Mosaic GPU quantized matmul."""
 
     block_n: int | None = None  # output channels per program, 64 per compute warpgroup; None: 128 where n allows
-    block_k: int | None = None  # inputs per pipeline step, 64-512; None: 256 (each weight row read 256 contiguous
-    # bytes at a time) for up to WIDE_STEP_ROWS rows where it divides k and the scale group, else 128, else 64
+    block_k: int | None = None  # inputs per pipeline step, 64, 128 or 256; None: 256 (each weight row read 256
+    # contiguous bytes at a time) for up to WIDE_STEP_ROWS rows where it divides k and the scale group and fits in
+    # shared memory at the stages asked (3 if not), else 128, else 64
     block_m: int | None = None  # activation rows per program (wgmma N: multiple of 8, <= 256); None: m up to 128
-    stages: int | None = None  # tiles in flight per program; None: 4 of 128 inputs or 3 of 256 (64-96 KiB of weight
-    # covers the H100's memory latency), fewer where those do not fit in shared memory (wide activation tiles)
+    stages: int | None = None  # tiles in flight per program; None: 3 of 256 inputs or 4 of 128 (64-96 KiB of weight
+    # covers the H100's memory latency), fewer of 128 where 4 do not fit in shared memory (wide activation tiles)
     num_splits: int | None = None  # k splits; None: the fewest that fill the chip (see default_splits)
     # One program per SM, each taking (tile, k split) items in turn with its copies running on from one item to
     # the next, instead of one program per item: finer splits then cost no pipeline refill (see default_splits).
@@ -109,7 +112,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         if k % 256 == 0 and group % 256 == 0 and (bs.block_m or m) <= WIDE_STEP_ROWS:
             try:
                 return _resolve(dataclasses.replace(bs, block_k=256, stages=bs.stages or 3), m, n, k, group)
-            except ValueError:  # wide activation tiles: 128 a step, with fewer stages if need be
+            except ValueError:  # a split of k, a block_n or stages asked for that 256 does not divide or fit
                 pass
         return _resolve(dataclasses.replace(bs, block_k=128 if k % 128 == 0 and group % 128 == 0 else 64), m, n, k,
                         group)
@@ -118,8 +121,8 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     block_m = bs.block_m or min(-(-m // 8) * 8, 128)
     if n % block_n or block_n % ROWS:
         raise ValueError(f"n={n} must be a multiple of block_n={block_n}, itself a multiple of {ROWS}")
-    if block_k not in (64, 128, 256, 512) or k % block_k or group % block_k:
-        raise ValueError(f"block_k={block_k} must be 64, 128, 256 or 512 and divide k={k} and the scale group {group}")
+    if block_k not in (64, 128, 256) or k % block_k or group % block_k:
+        raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N)")
     splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m, persistent=bs.persistent)
@@ -133,7 +136,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
     if (need := smem_bytes(resolved, n, k, group)) > SMEM_BYTES:
         raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has; "
-                         f"use fewer stages or a smaller block_m (m={m})")
+                         f"use fewer stages, a smaller block_k or a smaller block_m (m={m})")
     return resolved
 
 
@@ -246,13 +249,17 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
             w = with_layout(w, plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
             return wgmma(w.astype(jnp.bfloat16))
 
+        # A step of 256 inputs is two 128-byte swizzle tiles a row: a wgmma each, with the matching activations
+        chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
-            if interpreted:  # the interpreter has no register A operand: the same product by jnp.dot
+            if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
                 def step(g, acc):
                     slot = lax.rem(g, stages)
                     plgpu.barrier_wait(tile_bar.at[slot])
-                    acc = acc + lax.dot_general(weight_tile(slot), x_smem.at[slot][...], _CONTRACT_K,
-                                                preferred_element_type=jnp.float32)
+                    for cols in chunks:
+                        acc = acc + lax.dot_general(weight_tile(slot, cols), x_smem.at[slot, :, cols][...], _CONTRACT_K,
+                                                    preferred_element_type=jnp.float32)
                     plgpu.barrier_arrive(free_bar.at[slot])
                     return acc
 
@@ -264,9 +271,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
                     plgpu.barrier_wait(tile_bar.at[slot])
                     # B = the activation tile [block_m, block_k] read K-major (transposed): the 16-bit
                     # wgmma takes either major order, and this one needs no transpose of x in memory.
-                    # A 256-wide step is two 128-byte swizzle tiles: both are converted before either
-                    # product is issued, so no register of an issued wgmma is written while it runs.
-                    chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+                    # Every chunk is converted before the first product is issued, so no register of an
+                    # issued wgmma is written while it runs.
                     tiles = [weight_tile(slot, cols) for cols in chunks]
                     for tile, cols in zip(tiles, chunks):
                         plgpu.wgmma(acc_ref, tile, x_smem.at[slot, :, cols].transpose((1, 0)))

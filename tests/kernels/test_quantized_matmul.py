@@ -90,25 +90,27 @@ class TestMosaicGPUInterpret(InterpretSuite):
     def test_default_splits_fill_the_chip(self):
         from pallas_kernels.quantized_matmul.mosaic_gpu import default_splits
 
-        # 8B-shaped decode (batch 1): wq/wo 4096x4096 (32 tiles) and w_down (14336 -> 4096) split 4 ways into one
-        # wave; gate/up (4096 -> 14336: 112 tiles) already fill one wave
-        assert default_splits(1, 4096, 4096, 4096, 128, 128, 8) == 4
-        assert default_splits(1, 4096, 14336, 14336, 128, 128, 8) == 4
-        assert default_splits(1, 14336, 4096, 4096, 128, 128, 8) == 1
+        # 8B-shaped decode (batch 1, steps of 256 inputs): wq/wo 4096x4096 (32 tiles) and w_down (14336 -> 4096)
+        # split 4 ways into one wave; gate/up (4096 -> 14336: 112 tiles) already fill one wave; the same with
+        # steps of 128 inputs (wider activation tiles)
+        for block_k in (256, 128):
+            assert default_splits(1, 4096, 4096, 4096, 128, block_k, 8) == 4
+            assert default_splits(1, 4096, 14336, 14336, 128, block_k, 8) == 4
+            assert default_splits(1, 14336, 4096, 4096, 128, block_k, 8) == 1
 
 
     def test_persistent_splits_are_finer_where_items_fill_the_rounds(self):
         from pallas_kernels.quantized_matmul.mosaic_gpu import default_splits
 
         # without a refill per item, 8B's qkv (48 tiles) and gate_up (224 tiles) split until 132 SMs get equal work
-        assert default_splits(8, 6144, 4096, 4096, 128, 128, 8, persistent=True) == 8
-        assert default_splits(8, 28672, 4096, 4096, 128, 128, 8, persistent=True) == 4
-        assert default_splits(8, 128256, 4096, 4096, 128, 128, 8, persistent=True) == 1
+        assert default_splits(8, 6144, 4096, 4096, 128, 256, 8, persistent=True) == 8
+        assert default_splits(8, 28672, 4096, 4096, 128, 256, 8, persistent=True) == 4
+        assert default_splits(8, 128256, 4096, 4096, 128, 256, 8, persistent=True) == 1
 
 
 # (m, n, k, group, num_splits): a 256-input step is two 128-byte swizzle tiles a row, converted together, then two
-# products; one split or two, per-channel or per-group scales, through the ring more than once
-WIDE_STEP_CASES = [(5, 128, 1024, 1024, 1), (3, 256, 1024, 256, 2), (8, 128, 512, 512, 2)]
+# products; one split or two, per-channel scales or groups of one step or of two, through the ring more than once
+WIDE_STEP_CASES = [(5, 128, 1024, 1024, 1), (3, 256, 1024, 256, 2), (8, 128, 512, 512, 2), (2, 128, 1024, 512, 1)]
 
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
@@ -145,6 +147,9 @@ def test_decode_rows_take_steps_of_256_inputs():
     assert tiling(8, 4096, 4224, 4224) == (128, 4)  # k = 33 x 128
     assert tiling(8, 4096, 4096, 4096, stages=2) == (256, 2)
     assert tiling(8, 4096, 4096, 4096, num_splits=32) == (128, 4)  # a split of 128 inputs: no 256-input step
+    assert tiling(8, 28672, 4096, 4096, block_m=24) == (128, 4)  # the rows of a program decide, not m
+    assert tiling(64, 28672, 4096, 4096, block_m=16) == (256, 3)
+    assert tiling(16, 28672, 4096, 4096, block_n=256, stages=4) == (128, 4)  # 4 x 72 KiB: not in shared memory
 
 
 # (programs the chip is taken to have, num_splits, m, n, k, group): several items a program, uneven counts (5
