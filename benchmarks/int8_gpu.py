@@ -147,8 +147,7 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
 def parse_tiling(text: str) -> qmm_gpu.BlockSizes:
     """"default" or "stages=6,block_n=64": the kernel's BlockSizes with these fields set."""
     fields = dict(item.split("=") for item in text.split(",") if item != "default")
-    return qmm_gpu.BlockSizes(**{name: bool(int(value)) if name == "persistent" else int(value)
-                                 for name, value in fields.items()})
+    return qmm_gpu.BlockSizes(**{name: int(value) for name, value in fields.items()})
 
 
 def device_seconds(fn, args, reps: int = 20) -> float:
@@ -212,7 +211,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
                     help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, and int8@TILING: the "
-                         "kernel with another tiling, fields joined by '+' (int8@block_k=128+stages=4+persistent=0)")
+                         "kernel with another tiling, fields joined by '+' (int8@block_k=128+stages=4)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
     ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
                                                   "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")

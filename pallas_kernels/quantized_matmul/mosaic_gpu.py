@@ -44,9 +44,6 @@ NUM_SMS = 132  # H100 SXM; only sets how finely k is split
 # What one wave of programs costs beyond its bytes, in bytes per SM: the pipeline's fill, about a
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
 WAVE_BYTES_PER_SM = 40_000
-# What one more work item costs a persistent program beyond its bytes: the scale, store and hand-over between
-# items while the copies run on (the pipeline is not refilled). An estimate, a fifth of a wave's fill.
-ITEM_BYTES_PER_SM = 8_000
 WIDE_STEP_ROWS = 16  # up to this many activation rows, a step takes 256 inputs (see _resolve)
 SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
@@ -64,11 +61,6 @@ class BlockSizes:
     stages: int | None = None  # tiles in flight per program; None: 3 of 256 inputs or 4 of 128 (64-96 KiB of weight
     # covers the H100's memory latency), fewer of 128 where 4 do not fit in shared memory (wide activation tiles)
     num_splits: int | None = None  # k splits; None: the fewest that fill the chip (see default_splits)
-    # One program per SM, each taking (tile, k split) items in turn with its copies running on from one item to
-    # the next, instead of one program per item: finer splits then cost no pipeline refill (see default_splits).
-    # Off by default: it won only on qkv timed alone (10.5 against 11.9 us) and lost in the decode step (4 layers of
-    # the 8B: 0.841 ms a step with qkv, wo and down persistent, 0.812 without) and on gate_up alone (48.7 / 45.4 us).
-    persistent: bool = False
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -86,24 +78,15 @@ def supports(m: int, n: int, k: int, group_size: int, dtype: Any) -> bool:
     return True
 
 
-def work(bs: BlockSizes, n: int) -> tuple[int, int, int]:
-    """(items, programs, scale slots) of a row tile: (output tile, k split) items, one program per item or, when
-    persistent, per SM; a program taking several items holds two items' scales (the next lands while these are
-    in use), else one."""
-    items = n // bs.block_n * bs.num_splits
-    programs = min(NUM_SMS, items) if bs.persistent else items
-    return items, programs, 1 if programs == items else 2
-
-
 def smem_bytes(bs: BlockSizes, n: int, k: int, group: int) -> int:
     """Shared memory of one program: the tile ring (16-bit activations, int8 weights), the scales, the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
     k_split = k // bs.num_splits
     ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
-    scales = work(bs, n)[2] * max(1, k_split // group) * bs.block_n * 4
+    scales = max(1, k_split // group) * bs.block_n * 4
     out = bs.block_n * bs.block_m * (4 if bs.num_splits > 1 else 2)
-    return ring + scales + out + 8 * (4 + 2 * bs.stages) + 1024
+    return ring + scales + out + 8 * (1 + 2 * bs.stages) + 1024
 
 
 def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
@@ -125,13 +108,13 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % 8 or not 8 <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N)")
-    splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m, persistent=bs.persistent)
+    splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m)
     k_split = k // splits if k % splits == 0 else 0
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
     resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m,
-                          stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, persistent=bs.persistent)
+                          stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, n, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
     if (need := smem_bytes(resolved, n, k, group)) > SMEM_BYTES:
@@ -140,100 +123,71 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     return resolved
 
 
-def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: int, block_m: int, *,
-                   persistent: bool = False) -> int:
-    """The k split that streams the weight fastest: work items (tile, split) in whole rounds over the SMs, few
-    rounds (each costs a pipeline refill, or with `persistent` programs a smaller hand-over between items), at
-    least two steps per item, and few float32 partials (each split writes and rereads [n, m] of them)."""
+def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: int, block_m: int) -> int:
+    """The k split that streams the weight fastest: programs (tile, split) in whole waves over the SMs, few waves
+    (each costs a pipeline refill), at least two steps per program, and few float32 partials (each split writes and
+    rereads [n, m] of them)."""
     tiles = (n // block_n) * -(-m // block_m)
     steps = k // block_k
-    per_round = ITEM_BYTES_PER_SM if persistent else WAVE_BYTES_PER_SM
     best, best_cost = 1, math.inf
     for s in range(1, steps // 2 + 1):
         k_split = k // s
         if k % s or k_split % block_k or (k_split % group and group % k_split):
             continue
-        items = tiles * s
-        rounds = -(-items // NUM_SMS)
-        # bytes moved (idle SMs of the last round counted as moving nothing), refills, partials
-        cost = n * k * rounds * NUM_SMS / items + rounds * NUM_SMS * per_round + (8 * s * n * m if s > 1 else 0)
+        programs = tiles * s
+        waves = -(-programs // NUM_SMS)
+        # bytes moved (idle SMs of the last wave counted as moving nothing), refills, partials
+        cost = n * k * waves * NUM_SMS / programs + waves * NUM_SMS * WAVE_BYTES_PER_SM + (8 * s * n * m if s > 1 else 0)
         if cost < best_cost:
             best, best_cost = s, cost
     return best
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s_free, tile_bar, free_bar, *,
-            bs: BlockSizes, k_split: int, group: int, partial: bool, items: int, programs: int, interpreted: bool):
+def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
+            bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
     # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
     # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
     # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
-    # s_smem: [scale_slots, groups in a split, block_n] f32 (an item's scales a slot); o_smem: [compute wgs, block_m, 64]
-    # Program p takes the items (output tile, k split) p, p + programs, ...: one each unless persistent.
+    # s_smem: [groups in a split, block_n] f32; o_smem: [compute wgs, block_m, 64]
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
     p, mt, wg = (lax.axis_index(a) for a in ("p", "m", "wg"))
     compute_wgs = block_n // ROWS
     m0 = mt * block_m
-    count = 1 if programs == items else lax.div(items - p + programs - 1, programs)  # this program's items
-    scale_slots = s_smem.shape[0]  # 1, or 2 where a program takes several items (see work)
-    steps = k_split // block_k  # per item
+    steps = k_split // block_k
     segment = min(group, k_split) // block_k  # steps sharing one scale
     num_segments = steps // segment
-
-    n_tiles = items // bs.num_splits
-
-    def item_at(i):  # (first output channel, k split) of this program's i-th item: neighbours take neighbour tiles
-        item = p + i * programs
-        return lax.rem(item, n_tiles) * block_n, lax.div(item, n_tiles)
-
-    def for_items(body):  # body(i, None) for this program's items; with one item a program, no loop at all
-        if programs == items:
-            body(0, None)
-        else:
-            lax.fori_loop(0, count, body, None)
+    # program p: output tile p mod n_tiles (neighbouring programs take neighbouring tiles), k split p // n_tiles
+    n_tiles = w_ref.shape[0] // block_n
+    n0, split = lax.rem(p, n_tiles) * block_n, lax.div(p, n_tiles)
+    k0 = split * k_split
 
     @pl.when(wg == compute_wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem,
+                                s_bar.at[0])
 
-        def item_copies(i, carry):
-            n0, split = item_at(i)
-            k0 = split * k_split
+        def step(j, carry):
+            slot = lax.rem(j, stages)
 
-            @pl.when(i >= scale_slots)
+            @pl.when(j >= stages)
             def _():
-                plgpu.barrier_wait(s_free.at[lax.rem(i, scale_slots)])  # the item before is done with this slot
+                plgpu.barrier_wait(free_bar.at[slot])  # every compute warpgroup is done with this slot
 
-            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[1]), pl.ds(n0, block_n)],
-                                    s_smem.at[lax.rem(i, scale_slots)], s_bar.at[lax.rem(i, scale_slots)])
+            k_at = k0 + j * block_k
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
+                                    tile_bar.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
+                                    tile_bar.at[slot])
+            return carry
 
-            def step(j, carry):
-                g = i * steps + j  # the copies run on from one item to the next: one ring for all
-                slot = lax.rem(g, stages)
+        lax.fori_loop(0, steps, step, None)
 
-                @pl.when(g >= stages)
-                def _():
-                    plgpu.barrier_wait(free_bar.at[slot])  # every compute warpgroup is done with this slot
+        def drain(j, carry):  # every completion of a barrier is awaited before the kernel ends
+            plgpu.barrier_wait(free_bar.at[lax.rem(j, stages)])
+            return carry
 
-                k_at = k0 + j * block_k
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
-                                        tile_bar.at[slot])
-                plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
-                                        tile_bar.at[slot])
-                return carry
-
-            return lax.fori_loop(0, steps, step, carry)
-
-        for_items(item_copies)
-
-        def drain(ring, size, end):  # every completion of a barrier is awaited before the kernel ends
-            def wait(g, carry):
-                plgpu.barrier_wait(ring.at[lax.rem(g, size)])
-                return carry
-
-            lax.fori_loop(max(end - size, 0) if programs == items else jnp.maximum(end - size, 0), end, wait, None)
-
-        drain(free_bar, stages, count * steps)
-        drain(s_free, scale_slots, count)
+        lax.fori_loop(max(steps - stages, 0), steps, drain, None)
 
     @pl.when(wg < compute_wgs)
     def _compute():
@@ -285,34 +239,26 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, s
 
             return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
 
-        def item_product(i, carry):
-            n0, split = item_at(i)
-            scales = s_smem.at[lax.rem(i, scale_slots)]
-            plgpu.barrier_wait(s_bar.at[lax.rem(i, scale_slots)])
+        plgpu.barrier_wait(s_bar.at[0])
 
-            def scaled_segment(seg, total):
-                part = segment_product(i * steps + seg * segment)
-                g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
-                scale = row_vec(scales.at[g, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)][...])
-                return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
+        def scaled_segment(seg, total):
+            part = segment_product(seg * segment)
+            g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
+            scale = row_vec(s_smem.at[g, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)][...])
+            return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
-            total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
-            plgpu.barrier_arrive(s_free.at[lax.rem(i, scale_slots)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's tile has left o_smem
-            # outᵀ's tile back to out [block_m, 64]: the registers trade pairs (one shuffle) into the transposed
-            # layout, whose stores into a transposed view of o_smem write out's rows.
-            if interpreted:  # the interpreter has no transposed view to store through
-                o_smem.at[wg][...] = total.T.astype(o_smem.dtype)
-            else:
-                total = plgpu.layout_cast(total.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-                plgpu.transpose_ref(o_smem.at[wg], (1, 0))[...] = total
-            plgpu.commit_smem()
-            cols = pl.ds(n0 + wg * ROWS, ROWS)
-            dst = o_ref.at[split, pl.ds(m0, block_m), cols] if partial else o_ref.at[pl.ds(m0, block_m), cols]
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
-            return carry
-
-        for_items(item_product)
+        total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
+        # outᵀ's tile back to out [block_m, 64]: the registers trade pairs (one shuffle) into the transposed
+        # layout, whose stores into a transposed view of o_smem write out's rows.
+        if interpreted:  # the interpreter has no transposed view to store through
+            o_smem.at[wg][...] = total.T.astype(o_smem.dtype)
+        else:
+            total = plgpu.layout_cast(total.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.transpose_ref(o_smem.at[wg], (1, 0))[...] = total
+        plgpu.commit_smem()
+        cols = pl.ds(n0 + wg * ROWS, ROWS)
+        dst = o_ref.at[split, pl.ds(m0, block_m), cols] if partial else o_ref.at[pl.ds(m0, block_m), cols]
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -340,22 +286,20 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
-    items, programs, slots = work(bs, n)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, bs=bs, k_split=k_split, group=group, partial=partial, items=items,
-                          programs=programs, interpreted=params is not None),
+        functools.partial(_kernel, bs=bs, k_split=k_split, group=group, partial=partial,
+                          interpreted=params is not None),
         out_type=out_type,
         scratch_types=(
             plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
             plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms),
-            plgpu.SMEM((slots, max(1, k_split // group), bs.block_n), jnp.float32),
+            plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
             plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # an item's scales copied
-            plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=slots),  # an item's scales used
+            plgpu.Barrier(num_arrivals=1, num_barriers=1),  # the scales copied
             plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
         ),
-        grid=(programs, m_pad // bs.block_m),
+        grid=(n // bs.block_n * splits, m_pad // bs.block_m),  # (output tile, k split) programs, row tiles
         grid_names=("p", "m"),
         num_threads=compute_wgs + 1,
         thread_name="wg",

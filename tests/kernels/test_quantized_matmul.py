@@ -99,15 +99,6 @@ class TestMosaicGPUInterpret(InterpretSuite):
             assert default_splits(1, 14336, 4096, 4096, 128, block_k, 8) == 1
 
 
-    def test_persistent_splits_are_finer_where_items_fill_the_rounds(self):
-        from pallas_kernels.quantized_matmul.mosaic_gpu import default_splits
-
-        # without a refill per item, 8B's qkv (48 tiles) and gate_up (224 tiles) split until 132 SMs get equal work
-        assert default_splits(8, 6144, 4096, 4096, 128, 256, 8, persistent=True) == 8
-        assert default_splits(8, 28672, 4096, 4096, 128, 256, 8, persistent=True) == 4
-        assert default_splits(8, 128256, 4096, 4096, 128, 256, 8, persistent=True) == 1
-
-
 # (m, n, k, group, num_splits): a 256-input step is two 128-byte swizzle tiles a row, converted together, then two
 # products; one split or two, per-channel scales or groups of one step or of two, through the ring more than once
 WIDE_STEP_CASES = [(5, 128, 1024, 1024, 1), (3, 256, 1024, 256, 2), (8, 128, 512, 512, 2), (2, 128, 1024, 512, 1)]
@@ -152,30 +143,6 @@ def test_decode_rows_take_steps_of_256_inputs():
     assert tiling(16, 28672, 4096, 4096, block_n=256, stages=4) == (128, 4)  # 4 x 72 KiB: not in shared memory
 
 
-# (programs the chip is taken to have, num_splits, m, n, k, group): several items a program, uneven counts (5
-# programs for 12 items: 3, 3, 2, 2, 2), one step an item (the scales' double buffer and the ring wrap every item),
-# scale groups inside a split, and unsplit output written straight in its dtype (2 programs for 3 tiles)
-PERSISTENT_CASES = [(5, 4, 5, 384, 512, 128), (3, 2, 8, 256, 512, 512), (2, 1, 1, 384, 256, 128)]
-
-
-@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("persistent_case", PERSISTENT_CASES)
-def test_persistent_programs_take_items_in_turn(persistent_case, interpret, monkeypatch):
-    from pallas_kernels.quantized_matmul import mosaic_gpu
-
-    sms, splits, m, n, k, group = persistent_case
-    monkeypatch.setattr(mosaic_gpu, "NUM_SMS", sms)
-    rng = np.random.default_rng(1)
-    values, scales = random_weight(rng, n, k, group)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    bs = mosaic_gpu.BlockSizes(persistent=True, num_splits=splits, stages=2)
-    out = quantized_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu",
-                           interpret=interpret, block_sizes=bs, out_dtype=jnp.float32)
-    want = truth(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)), values, scales)
-    # unsplit output leaves the kernel in 16 bits (mosaic_dtype), split partials in float32
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
-
-
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
     CASES = [("bfloat16", 1, 128, 256, 256), ("float32", 5, 256, 512, 128)]
@@ -188,8 +155,7 @@ class TestMosaicGPU(MatmulSuite):
 
 
 @pytest.mark.parametrize("rows", [8, 104, 128])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_decode_tilings_fit_in_shared_memory_and_lower_for_cuda(rows, persistent):
+def test_decode_tilings_fit_in_shared_memory_and_lower_for_cuda(rows):
     """Every 8B decode product up to MAX_KERNEL_ROWS rows gets a tiling that fits the H100's shared memory (fewer
     stages for wide activation tiles), checked by lowering the kernel for CUDA here on the CPU."""
     import jax
@@ -197,13 +163,12 @@ def test_decode_tilings_fit_in_shared_memory_and_lower_for_cuda(rows, persistent
     from pallas_kernels.quantized_matmul import MAX_KERNEL_ROWS, mosaic_gpu
 
     assert rows <= MAX_KERNEL_ROWS
-    bs = mosaic_gpu.BlockSizes(persistent=persistent)
     for n, k, group in [(6144, 4096, 4096), (4096, 4096, 4096), (28672, 4096, 4096), (4096, 14336, 14336),
                         (28672, 4096, 128)]:
         assert mosaic_gpu.supports(rows, n, k, group, jnp.bfloat16)
         shapes = [jax.ShapeDtypeStruct(s, d) for s, d in
                   [((rows, k), jnp.bfloat16), ((n, k), jnp.int8), ((k // group, n), jnp.float32)]]
-        jax.jit(lambda x, v, s: mosaic_gpu.quantized_matmul(x, v, s, block_sizes=bs, interpret=False)).trace(
+        jax.jit(lambda x, v, s: mosaic_gpu.quantized_matmul(x, v, s, interpret=False)).trace(
             *shapes).lower(lowering_platforms=("cuda",))
     with pytest.raises(ValueError, match="bytes of shared memory"):
         mosaic_gpu.quantized_matmul(jnp.zeros((128, 14336), jnp.bfloat16), jnp.zeros((4096, 14336), jnp.int8),
