@@ -78,7 +78,7 @@ def supports(m: int, n: int, k: int, group_size: int, dtype: Any) -> bool:
     return True
 
 
-def smem_bytes(bs: BlockSizes, n: int, k: int, group: int) -> int:
+def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     """Shared memory of one program: the tile ring (16-bit activations, int8 weights), the scales, the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
@@ -115,9 +115,9 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
                          f"scale groups of {group} or lie inside one")
     resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m,
                           stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits)
-    while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, n, k, group) > SMEM_BYTES:
+    while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
-    if (need := smem_bytes(resolved, n, k, group)) > SMEM_BYTES:
+    if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
         raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has; "
                          f"use fewer stages, a smaller block_k or a smaller block_m (m={m})")
     return resolved
