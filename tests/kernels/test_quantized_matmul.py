@@ -84,7 +84,8 @@ class TestMosaicGPUInterpret(InterpretSuite):
         from pallas_kernels.quantized_matmul.mosaic_gpu import BlockSizes
 
         _, m, n, k, group = case
-        # 2 k splits with stages=2 (the ring wraps), and a program of one compute warpgroup (block_n 64)
+        # 2 k splits with stages=2, and a program of one compute warpgroup (block_n 64); the ring wraps in the
+        # cases of test_steps_of_256_inputs_match_float64
         return BlockSizes(num_splits=2, stages=2) if n % 128 == 0 else BlockSizes(block_n=64, block_m=8)
 
     def test_default_splits_fill_the_chip(self):
@@ -100,8 +101,10 @@ class TestMosaicGPUInterpret(InterpretSuite):
 
 
 # (m, n, k, group, num_splits): a 256-input step is two 128-byte swizzle tiles a row, converted together, then two
-# products; one split or two, per-channel scales or groups of one step or of two, through the ring more than once
-WIDE_STEP_CASES = [(5, 128, 1024, 1024, 1), (3, 256, 1024, 256, 2), (8, 128, 512, 512, 2), (2, 128, 1024, 512, 1)]
+# products; one split or several, per-channel scales or groups of one step or of two (a split inside a group at a
+# later scale row: 4 splits of 256 in groups of 512), through the ring more than once
+WIDE_STEP_CASES = [(5, 128, 1024, 1024, 1), (3, 256, 1024, 256, 2), (8, 128, 512, 512, 2), (2, 128, 1024, 512, 1),
+                   (8, 128, 1024, 512, 4)]
 
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
