@@ -37,7 +37,7 @@ from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
 from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
-from jaxserve.model.quant import QuantizedArray, linear_bytes, quantize_weights  # noqa: E402
+from jaxserve.model.quant import linear_bytes, quantize_weights, with_backend  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
 from jaxserve.step import DeviceState, step_fn  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
@@ -48,12 +48,6 @@ LLAMA_8B = PRESETS["llama3-8b"]
 SMOKE = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=64, max_position_embeddings=1024)
 PAGE_SIZE = 16
-
-
-def with_backend(weights, backend: str):
-    """The same int8 arrays, multiplied through another quantized_matmul backend."""
-    return jax.tree_util.tree_map(lambda x: dataclasses.replace(x, backend=backend) if isinstance(x, QuantizedArray) else x,
-                                  weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
 
 
 def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> dict[str, np.ndarray]:
@@ -101,14 +95,19 @@ def run_steps(step, weights, state, inp, steps: int):
     return (time.perf_counter() - t0) / steps, state
 
 
+def layer_products(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(n, k) of each quantized product of a layer: output channels, inputs."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return {"wqkv": (qkv, d), "wo": (d, d), "w_gate_up": (2 * f, d), "w_down": (d, f)}
+
+
 def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     """The Mosaic GPU kernel against float64 truth on the model's layer shapes, then timed against XLA."""
     rows = []
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    shapes = {"wqkv": (qkv, d), "wo": (d, d), "w_gate_up": (2 * f, d), "w_down": (d, f)}
+    shapes = layer_products(cfg)
     if smoke:  # interpreted on CPU: one shape, few rows
-        shapes = {"wo": (d, d)}
+        shapes = {"wo": shapes["wo"]}
     key = jax.random.PRNGKey(1)
     for name, (n, k) in shapes.items():
         values = jax.random.randint(key, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
@@ -168,12 +167,10 @@ def tiling_sweep(cfg: ModelConfig, out: str, tilings: list[str], rows: int = 8) 
     from benchmarks.kernels_gpu import copy_bandwidth_device
 
     copy_bw = copy_bandwidth_device()
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    shapes = {"wqkv": (qkv, d, cfg.num_layers), "wo": (d, d, cfg.num_layers),
-              "w_gate_up": (2 * f, d, cfg.num_layers), "w_down": (d, f, cfg.num_layers), "head": (cfg.vocab_size, d, 1)}
+    shapes = {name: (n, k, cfg.num_layers) for name, (n, k) in layer_products(cfg).items()}
+    shapes["head"] = (cfg.vocab_size, cfg.hidden_size, 1)
     key = jax.random.PRNGKey(2)
-    x = jax.random.normal(key, (rows, max(d, f)), jnp.float32).astype(jnp.bfloat16)
+    x = jax.random.normal(key, (rows, max(k for _, k, _ in shapes.values())), jnp.float32).astype(jnp.bfloat16)
     table, records = [], []
     for tiling in tilings:
         bs = parse_tiling(tiling)

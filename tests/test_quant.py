@@ -246,18 +246,13 @@ def test_decode_pads_its_rows_once_for_the_kernel_and_writes_only_real_rows():
 
     from jaxserve.checkpoint.random_model import PRESETS
     from jaxserve.model.kv_cache import KVCache
-    from jaxserve.model.quant import quantize_weights
+    from jaxserve.model.quant import quantize_weights, with_backend
     from jaxserve.model.transformer import forward
     from jaxserve.model.weights import random_weights
 
     cfg = PRESETS["smoke"]
     weights = quantize_weights(random_weights(cfg, jax.random.key(0), jnp.float32), QuantConfig(mode="int8"))
-    def on_backend(backend):
-        return jax.tree_util.tree_map(lambda x: dataclasses.replace(x, backend=backend)
-                                      if isinstance(x, QuantizedArray) else x,
-                                      weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
-
-    on = {b: on_backend(b) for b in ("pallas", "reference")}
+    on = {b: with_backend(weights, b) for b in ("pallas", "reference")}
     rows, pages = 3, 2
     cache = KVCache.zeros(cfg, rows * pages, 16, jnp.float32, padding_page=True)
     cache = dataclasses.replace(cache, k=tuple(jnp.asarray(RNG.standard_normal(k.shape), jnp.float32) for k in cache.k))

@@ -104,6 +104,12 @@ def linear(x: jax.Array, w: Any, *, in_ndim: int = 1, preferred_element_type: An
     return y.reshape(*x.shape[: x.ndim - in_ndim], *out_shape)
 
 
+def with_backend(weights: Any, backend: str) -> Any:
+    """The same weights, their quantized arrays multiplied through another pallas_kernels.quantized_matmul backend."""
+    return jax.tree_util.tree_map(lambda w: dataclasses.replace(w, backend=backend) if isinstance(w, QuantizedArray)
+                                  else w, weights, is_leaf=lambda w: isinstance(w, QuantizedArray))
+
+
 def row_multiple(weights: Any) -> int:
     """The row count that the quantized products of `weights` pad their activations to a multiple of (1 for float
     weights or an XLA backend); see pallas_kernels.quantized_matmul.row_multiple."""

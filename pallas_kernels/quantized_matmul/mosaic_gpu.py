@@ -101,13 +101,13 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
                         group)
     block_n = bs.block_n or (128 if n % 128 == 0 else ROWS)
     block_k = bs.block_k
-    block_m = bs.block_m or min(-(-m // 8) * 8, 128)
+    block_m = bs.block_m or min(-(-m // ROW_MULTIPLE) * ROW_MULTIPLE, 128)
     if n % block_n or block_n % ROWS:
         raise ValueError(f"n={n} must be a multiple of block_n={block_n}, itself a multiple of {ROWS}")
     if block_k not in (64, 128, 256) or k % block_k or group % block_k:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
-    if block_m % 8 or not 8 <= block_m <= 256:
-        raise ValueError(f"block_m={block_m} must be a multiple of 8 in [8, 256] (the wgmma N)")
+    if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
+        raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
     splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m)
     k_split = k // splits if k % splits == 0 else 0
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
@@ -150,22 +150,17 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
     # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
     # s_smem: [groups in a split, block_n] f32; o_smem: [compute wgs, block_m, 64]
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
-    p, mt, wg = (lax.axis_index(a) for a in ("p", "m", "wg"))
+    nt, split, mt, wg = (lax.axis_index(a) for a in ("n", "split", "m", "wg"))
     compute_wgs = block_n // ROWS
-    m0 = mt * block_m
+    n0, m0, k0 = nt * block_n, mt * block_m, split * k_split
     steps = k_split // block_k
     segment = min(group, k_split) // block_k  # steps sharing one scale
     num_segments = steps // segment
-    # program p: output tile p mod n_tiles (neighbouring programs take neighbouring tiles), k split p // n_tiles
-    n_tiles = w_ref.shape[0] // block_n
-    n0, split = lax.rem(p, n_tiles) * block_n, lax.div(p, n_tiles)
-    k0 = split * k_split
 
     @pl.when(wg == compute_wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem,
-                                s_bar.at[0])
+        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem, s_bar)
 
         def step(j, carry):
             slot = lax.rem(j, stages)
@@ -208,8 +203,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
 
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
             if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
-                def step(g, acc):
-                    slot = lax.rem(g, stages)
+                def step(j, acc):
+                    slot = lax.rem(j, stages)
                     plgpu.barrier_wait(tile_bar.at[slot])
                     for cols in chunks:
                         acc = acc + lax.dot_general(weight_tile(slot, cols), x_smem.at[slot, :, cols][...], _CONTRACT_K,
@@ -220,8 +215,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
                 return lax.fori_loop(first, first + segment, step, jnp.zeros((ROWS, block_m), jnp.float32))
 
             def accumulate(acc_ref):
-                def step(g, carry):
-                    slot = lax.rem(g, stages)
+                def step(j, carry):
+                    slot = lax.rem(j, stages)
                     plgpu.barrier_wait(tile_bar.at[slot])
                     # B = the activation tile [block_m, block_k] read K-major (transposed): the 16-bit
                     # wgmma takes either major order, and this one needs no transpose of x in memory.
@@ -239,7 +234,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
 
             return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
 
-        plgpu.barrier_wait(s_bar.at[0])
+        plgpu.barrier_wait(s_bar)
 
         def scaled_segment(seg, total):
             part = segment_product(seg * segment)
@@ -295,12 +290,12 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms),
             plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
             plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=1),  # the scales copied
+            plgpu.Barrier(num_arrivals=1),  # the scales copied
             plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
         ),
-        grid=(n // bs.block_n * splits, m_pad // bs.block_m),  # (output tile, k split) programs, row tiles
-        grid_names=("p", "m"),
+        grid=(n // bs.block_n, splits, m_pad // bs.block_m),
+        grid_names=("n", "split", "m"),
         num_threads=compute_wgs + 1,
         thread_name="wg",
         interpret=params,

@@ -69,7 +69,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     groups = scales.shape[0]
     group = k // groups
     bs = block_sizes or BlockSizes()
-    rows = 16 if x.dtype == jnp.bfloat16 else 8  # sublane tile of the activations' dtype
+    rows = ROW_MULTIPLE * 2 // jnp.dtype(x.dtype).itemsize  # sublane tile of the activations' dtype (16 or 8)
     block_m = bs.block_m or min(-(-m // rows) * rows, 256)
     block_n = bs.block_n or _fit(n, 512)
     block_k = bs.block_k or _fit(group, 512)
