@@ -6,8 +6,8 @@ much as its bytes. Here each chain is `--length` products x [8, n] · [n, n]ᵀ,
 input, compiled as one program; the weight is small enough to stay in L2 after the first product, so what is left
 is the kernels' own cost: launch, the first copies' latency, the pipeline's fill and the epilogue.
 
-For each size, in one process: device time per product (from a profile: every kernel of the chain, split sums
-included) of the int8 kernel (`pallas_kernels.quantized_matmul` on Mosaic GPU, its default tiling) against XLA's
+For each size, in one process: device time per product (from a profile of three calls: every kernel of the chain, split
+sums included) of the int8 kernel (`pallas_kernels.quantized_matmul` on Mosaic GPU, its default tiling) against XLA's
 bfloat16 dot on the same weight dequantized (twice the bytes).
 
     PYTHONPATH=. python3 benchmarks/kernel_fixed_cost_gpu.py [--sizes 512,4096] [--length 50]
@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.decode_profile_gpu import device_profile  # noqa: E402
+from benchmarks.kernels_gpu import kernel_seconds  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 
 _CONTRACT_K = (((1,), (1,)), ((), ()))
@@ -53,16 +53,11 @@ def mosaic_copy(x: jax.Array) -> jax.Array:
                         scratch_types=(plgpu.SMEM(x.shape, x.dtype), plgpu.Barrier(num_arrivals=1)))(x)
 
 
-def device_seconds_per_product(fn, args, length: int, rounds: int = 3) -> tuple[float, float]:
-    """(device seconds, kernels) per product of the chain: the best of `rounds` profiles of one call."""
+def device_seconds_per_product(fn, args, length: int, reps: int = 3) -> tuple[float, float]:
+    """(device seconds, kernels) per product of the chain, from one profile of `reps` calls after a first."""
     jax.block_until_ready(fn(*args))
-    best, kernels = float("inf"), 0.0
-    for _ in range(rounds):
-        _, time_by, count_by = device_profile(lambda: jax.block_until_ready(fn(*args)))
-        seconds = sum(time_by.values()) / 1e9 / length
-        if seconds < best:
-            best, kernels = seconds, sum(count_by.values()) / length
-    return best, kernels
+    seconds, kernels = kernel_seconds(lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)], "")
+    return seconds / reps / length, kernels / reps / length
 
 
 def main() -> None:
@@ -91,8 +86,7 @@ def main() -> None:
         base, base_kernels = device_seconds_per_product(xla, (x, dense), args.length)
         config = {"n": n, "k": n, "m": args.rows, "chain": args.length, "tiling": str(qmm_gpu._resolve(
             qmm_gpu.DEFAULT_BLOCK_SIZES, args.rows, n, n, n)), "kernels_per_product": ours_kernels,
-            "xla_kernels_per_product": base_kernels}
-        config["mosaic_copy_kernel_seconds"] = floor
+            "xla_kernels_per_product": base_kernels, "mosaic_copy_kernel_seconds": floor}
         record(args.out, "int8_product_fixed_cost", config, "device_seconds_per_product", ours, "s",
                "XLA bfloat16 dot, same chain", base, higher_is_better=False)
         line = (f"n=k={n:5d}: int8 kernel {ours * 1e6:6.2f} us a product ({ours_kernels:.0f} kernels), XLA bfloat16 "
