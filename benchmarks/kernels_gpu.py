@@ -82,7 +82,7 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
                 placements: int = 5, rounds: int = 3) -> None:
     """Ours (default block sizes) against cuDNN, alternated, over the same q, k, v at `placements` addresses.
 
-    Where the buffers lie moves both kernels' rates by up to 6 % (the L2 and DRAM mapping: session 17), so
+    Where the buffers lie moves both kernels' rates by up to 10 % (presumably the L2 and DRAM mapping; session 17), so
     a single placement can make either one look faster. Each placement gives one ratio (best of `rounds`
     alternated timings of each); the row gives the placement with the median ratio (an odd count has one),
     with every placement's figures in its config.
@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,2048,8192,32768", help="decode context lengths")
     parser.add_argument("--kv-dtypes", default="bfloat16", help="decode page dtypes, e.g. bfloat16,float8_e4m3fn")
     args = parser.parse_args()
+    if args.placements < 1:
+        parser.error(f"--placements must be at least 1, got {args.placements}")
     print(jax.devices(), jax.__version__, flush=True)
     rows: list[str] = []
     copy_bw, copy_bw_device = copy_bandwidth(), copy_bandwidth_device()
