@@ -78,6 +78,12 @@ def placed_copies(arrays: tuple[jax.Array, ...], count: int) -> list[tuple[jax.A
     return copies
 
 
+def median_placement(placed: list[dict[str, float]], num: str, den: str) -> dict[str, float]:
+    """Of each placement's rates {kernel: TFLOP/s}, the one whose num / den ratio is the median (upper middle
+    for an even count)."""
+    return sorted(placed, key=lambda rates: rates[num] / rates[den])[len(placed) // 2]
+
+
 def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (2048, 4096, 8192, 16384),
                 placements: int = 5, rounds: int = 3) -> None:
     """Ours (default block sizes) against cuDNN, alternated, over the same q, k, v at `placements` addresses.
@@ -96,20 +102,21 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
             flops = flash_flops(q, causal)
             cudnn = cudnn_attention(causal)
             ours = jax.jit(lambda q, k, v, c=causal: flash_gpu.flash_attention(q, k, v, causal=c))
-            rates = []  # (ours, cudnn) TFLOP/s at each placement
+            rates = []  # {kernel: TFLOP/s} at each placement
             for qkv in copies:
                 best = [float("inf"), float("inf")]
                 for _ in range(rounds):
                     best = [min(best[0], timed(ours, *qkv, inner=10)), min(best[1], timed(cudnn, *qkv, inner=10))]
-                rates.append((flops / best[0] / 1e12, flops / best[1] / 1e12))
-            ratios = sorted(o / c for o, c in rates)
-            tf_ours, tf_cudnn = sorted(rates, key=lambda r: r[0] / r[1])[len(rates) // 2]
+                rates.append({"ours": flops / best[0] / 1e12, "cudnn": flops / best[1] / 1e12})
+            ratios = sorted(r["ours"] / r["cudnn"] for r in rates)
+            median = median_placement(rates, "ours", "cudnn")
+            tf_ours, tf_cudnn = median["ours"], median["cudnn"]
             err = rel_err(ours(*problem), cudnn(*problem))
             bs = flash_gpu.default_block_sizes(1, seq)
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
                           block_k=bs.block_k, stages=bs.stages, placements=placements, rounds=rounds,
-                          ratios=[round(r, 4) for r in ratios], ours_tflops=[round(o, 1) for o, _ in rates],
-                          cudnn_tflops=[round(c, 1) for _, c in rates])
+                          ratios=[round(r, 4) for r in ratios], ours_tflops=[round(r["ours"], 1) for r in rates],
+                          cudnn_tflops=[round(r["cudnn"], 1) for r in rates])
             record(path, "flash_attention", config, "throughput", tf_ours, "TFLOP/s", "cudnn", tf_cudnn)
             xla = jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c,
                                                                                 implementation="xla"))
