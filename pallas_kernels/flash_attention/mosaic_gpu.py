@@ -348,6 +348,7 @@ def scheduled_span(lengths: list[int], sms: int = NUM_SMS) -> int:
     return max(free)
 
 
+@functools.lru_cache(maxsize=256)
 def program_order(units: int, num_qt: int, causal: bool) -> int:
     """How many units' programs run interleaved, query tile by query tile, longest first (1, 2 or 4).
 
