@@ -24,9 +24,8 @@ import sys
 import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import kernels_gpu  # noqa: E402
-from benchmarks.common import record, timed  # noqa: E402
-from benchmarks.kernels_gpu import cudnn_attention, flash_flops, flash_problem, rel_err  # noqa: E402
+from benchmarks import kernels_gpu as kg  # noqa: E402
+from benchmarks.common import record  # noqa: E402
 from pallas_kernels.flash_attention import mosaic_gpu as ours_module  # noqa: E402
 
 
@@ -44,7 +43,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="what the baseline is, for the rows (e.g. its revision)")
     ap.add_argument("--seqs", default="2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--placements", type=int, default=3, help="copies of the inputs at different addresses (odd)")
+    ap.add_argument("--placements", type=int, default=5, help="copies of the inputs at different addresses (odd: "
+                    "each ratio is then one placement's)")
     ap.add_argument("--out", default="benchmarks/results/kernels_gpu.jsonl")
     args = ap.parse_args()
     if args.placements < 1 or args.rounds < 1:
@@ -53,30 +53,25 @@ def main() -> None:
     print(f"{jax.devices()[0]} jax {jax.__version__}; baseline {args.baseline} {args.label}", flush=True)
     table = []
     for seq in [int(s) for s in args.seqs.split(",")]:
-        problem = flash_problem(seq)
+        problem = kg.flash_problem(seq)
         q = problem[0]
         b, _, heads, hd = q.shape
-        copies = kernels_gpu.placed_copies(problem, args.placements)
+        copies = kg.placed_copies(problem, args.placements)
         for causal in (True, False):
-            flops = flash_flops(q, causal)
+            flops = kg.flash_flops(q, causal)
             fns = {
-                "cudnn": cudnn_attention(causal),
+                "cudnn": kg.cudnn_attention(causal),
                 "baseline": jax.jit(lambda q, k, v, c=causal: base_module.flash_attention(q, k, v, causal=c)),
                 "ours": jax.jit(lambda q, k, v, c=causal: ours_module.flash_attention(q, k, v, causal=c)),
             }
-            placed = []  # TFLOP/s of each kernel at each placement
-            for qkv in copies:
-                best = {name: float("inf") for name in fns}
-                for _ in range(args.rounds):
-                    for name, fn in fns.items():
-                        best[name] = min(best[name], timed(fn, *qkv, inner=10))
-                placed.append({name: flops / t / 1e12 for name, t in best.items()})
-
-            err = rel_err(fns["ours"](*problem), fns["cudnn"](*problem))
+            placed = kg.rates_over_placements(fns, copies, flops, args.rounds)  # TFLOP/s, kernel by placement
+            err = kg.rel_err(fns["ours"](*problem), fns["cudnn"](*problem))
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16",
                           err_vs_cudnn=err, rounds=args.rounds, baseline_file=args.label or args.baseline,
-                          placements=[{name: round(t, 1) for name, t in tf.items()} for tf in placed])
-            vs_base, vs_cudnn, base_cudnn = (kernels_gpu.median_placement(placed, num, den) for num, den in
+                          placements=args.placements,
+                          placement_tflops=[{name: round(t, 1) for name, t in tf.items()} for tf in placed],
+                          k_addresses=kg.buffer_addresses(copies))
+            vs_base, vs_cudnn, base_cudnn = (kg.median_placement(placed, num, den) for num, den in
                                              (("ours", "baseline"), ("ours", "cudnn"), ("baseline", "cudnn")))
             record(args.out, "flash_attention_ab", config, "throughput", vs_base["ours"], "TFLOP/s", "previous kernel",
                    vs_base["baseline"])

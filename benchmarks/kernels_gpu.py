@@ -78,6 +78,25 @@ def placed_copies(arrays: tuple[jax.Array, ...], count: int) -> list[tuple[jax.A
     return copies
 
 
+def rates_over_placements(fns: dict, copies: list[tuple[jax.Array, ...]], flops: float, rounds: int
+                          ) -> list[dict[str, float]]:
+    """TFLOP/s of each function at each placement: the best of `rounds` timings, the functions alternated at each
+    placement, the placements visited in a rotated order each round (so that no one is always timed first, after
+    the compile's idle gap)."""
+    best = [{name: float("inf") for name in fns} for _ in copies]
+    for r in range(rounds):
+        for i in range(len(copies)):
+            at = (i + r) % len(copies)
+            for name, fn in fns.items():
+                best[at][name] = min(best[at][name], timed(fn, *copies[at], inner=10))
+    return [{name: flops / t / 1e12 for name, t in times.items()} for times in best]
+
+
+def buffer_addresses(copies: list[tuple[jax.Array, ...]], index: int = 1) -> list[str]:
+    """Where each placement's `index`-th array (k) lies."""
+    return [hex(arrays[index].unsafe_buffer_pointer()) for arrays in copies]
+
+
 def median_placement(placed: list[dict[str, float]], num: str, den: str) -> dict[str, float]:
     """Of each placement's rates {kernel: TFLOP/s}, the one whose num / den ratio is the median (upper middle
     for an even count)."""
@@ -88,10 +107,11 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
                 placements: int = 5, rounds: int = 3) -> None:
     """Ours (default block sizes) against cuDNN, alternated, over the same q, k, v at `placements` addresses.
 
-    Where the buffers lie moves both kernels' rates by up to 10 % (presumably the L2 and DRAM mapping; session 17), so
-    a single placement can make either one look faster. Each placement gives one ratio (best of `rounds`
-    alternated timings of each); the row gives the placement with the median ratio (an odd count has one),
-    with every placement's figures in its config.
+    In session 17 the rates of both kernels moved by up to 10 % from one copy of the inputs to another (the
+    original buffers, timed first, were fastest; whether their address or the timing order did it is not
+    settled), so one copy can make either kernel look faster. Each placement gives one ratio (best of
+    `rounds` alternated timings of each); the row gives the placement with the median ratio (an odd count
+    has one), with every placement's figures and address in its config.
     """
     for seq in (2048, 4096) if quick else seqs:
         problem = flash_problem(seq)
@@ -102,21 +122,21 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
             flops = flash_flops(q, causal)
             cudnn = cudnn_attention(causal)
             ours = jax.jit(lambda q, k, v, c=causal: flash_gpu.flash_attention(q, k, v, causal=c))
-            rates = []  # {kernel: TFLOP/s} at each placement
-            for qkv in copies:
-                best = [float("inf"), float("inf")]
-                for _ in range(rounds):
-                    best = [min(best[0], timed(ours, *qkv, inner=10)), min(best[1], timed(cudnn, *qkv, inner=10))]
-                rates.append({"ours": flops / best[0] / 1e12, "cudnn": flops / best[1] / 1e12})
-            ratios = sorted(r["ours"] / r["cudnn"] for r in rates)
+            rates = rates_over_placements({"ours": ours, "cudnn": cudnn}, copies, flops, rounds)
+            ratios = [r["ours"] / r["cudnn"] for r in rates]  # in placement order
             median = median_placement(rates, "ours", "cudnn")
             tf_ours, tf_cudnn = median["ours"], median["cudnn"]
             err = rel_err(ours(*problem), cudnn(*problem))
-            bs = flash_gpu.default_block_sizes(1, seq)
+            group = heads // problem[1].shape[2]
+            bs = flash_gpu.default_block_sizes(group, seq)
+            units = b * problem[1].shape[2] * (group // bs.heads_per_program)
+            interleave = flash_gpu.default_interleave(causal, 0, units, seq // bs.block_q, bs)  # first query at 0
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
-                          block_k=bs.block_k, stages=bs.stages, placements=placements, rounds=rounds,
-                          ratios=[round(r, 4) for r in ratios], ours_tflops=[round(r["ours"], 1) for r in rates],
-                          cudnn_tflops=[round(r["cudnn"], 1) for r in rates])
+                          block_k=bs.block_k, stages=bs.stages, heads_per_program=bs.heads_per_program,
+                          interleave=interleave, placements=placements, rounds=rounds,
+                          ratios=[round(r, 4) for r in ratios],
+                          placement_tflops=[{name: round(t, 1) for name, t in r.items()} for r in rates],
+                          k_addresses=buffer_addresses(copies))
             record(path, "flash_attention", config, "throughput", tf_ours, "TFLOP/s", "cudnn", tf_cudnn)
             xla = jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c,
                                                                                 implementation="xla"))
@@ -128,7 +148,7 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
                 print("xla failed:", type(e).__name__, str(e)[:200])
             line = (f"flash s={seq:5d} causal={causal!s:5} ours {tf_ours:6.1f} cudnn {tf_cudnn:6.1f} xla {xla_tf:6.1f} "
                     f"TFLOP/s  ours/cudnn {tf_ours / tf_cudnn:5.3f} (median of {placements} placements; "
-                    f"{ratios[0]:5.3f}-{ratios[-1]:5.3f})  err {err:.1e}")
+                    f"{min(ratios):5.3f}-{max(ratios):5.3f})  err {err:.1e}")
             print(line, flush=True)
             rows.append(line)
         del copies

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 BACKENDS = ("auto", "pallas", "reference", "mosaic_gpu", "mosaic_tpu")
+NUM_SMS = 132  # the H100 SXM's SMs, which the Mosaic GPU kernels size their splits and program orders for
 
 
 def resolve(backend: str) -> str:

@@ -40,7 +40,8 @@ class BlockSizes:
     block_k: int = 128  # keys per step (the wgmma N of Q·Kᵀ, the K of P·V)
     stages: int = 2  # K/V buffers in the ring (2: ahead of 3 at 7 of 8 H100 points with the overlapped loop)
     heads_per_program: int = 1  # query heads of one group per program; 128 // this = query positions
-    interleave: int | None = None  # units whose programs start interleaved; None: see program_order
+    interleave: int | None = None  # (row, KV head, head group) units whose programs start interleaved (>= 1);
+    # None: dense causal calls choose by program_order, others take 1
 
     @property
     def block_q(self) -> int:
@@ -176,7 +177,7 @@ def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> Non
 def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_smem, k_smem, v_smem, *refs,
             paged: bool, causal: bool, scale: float, group: int, bs: BlockSizes, num_qt: int, kv_heads: int,
             interleave: int, staged: bool, interpreted: bool):
-    # q_ref: [b, q_len, heads, hd]; k_ref, v_ref: [b, kv_len, kv_heads, hd] or [pages, kv_heads, ps, hd]
+    # q_ref: [b, q_len, heads, hd]; k_ref, v_ref: [b, kv_len, kv_heads, hd] or [kv_heads, pages, ps, hd]
     # table_ref: [b, pages_per_row]; q_start_ref, kv_len_ref: [b]; o_ref like q_ref
     # With 8-bit pages (`staged`) each compute warpgroup converts the ring's tiles into its own k_stage and
     # v_stage, the tensor-core operands, and hands each ring slot back as soon as it is converted.
@@ -337,10 +338,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
         plgpu.wait_smem_to_gmem(0)
 
 
-NUM_SMS = 132  # H100 SXM; only used to choose the programs' order
-
-
-def scheduled_span(lengths: list[int], sms: int = NUM_SMS) -> int:
+def scheduled_span(lengths: list[int], sms: int = backend_lib.NUM_SMS) -> int:
     """When the last of these programs ends if each starts, in order, on the first SM to come free."""
     free = [0] * sms
     for length in lengths:
@@ -349,22 +347,26 @@ def scheduled_span(lengths: list[int], sms: int = NUM_SMS) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def program_order(units: int, num_qt: int, causal: bool) -> int:
-    """How many units' programs run interleaved, query tile by query tile, longest first (1, 2 or 4).
+def program_order(units: int, tile_blocks: tuple[int, ...]) -> int:
+    """How many units' programs run interleaved, query tile by query tile (1, 2 or 4), given the key blocks
+    of one unit's tiles in the order they start (longest first).
 
-    Programs start in grid order as SMs free up. Causal programs shorten with their query tile, so
-    with each unit's tiles in a row the last units' long tiles can start last and run on alone: about
-    6 % of a 4k causal call (64 units of 32 tiles) and 5 % at 8k, none at 16k (16 units of 128). The
-    order is chosen by simulating that: the fewest interleaved units within 0.5 % of the best, since
-    more at once read more K/V at once (4 cost 2 % at 16k on the H100). Non-causal programs are equal.
+    The block scheduler starts programs in about grid order as SMs free up. Causal tiles shorten with
+    their position, so with each unit's tiles in a row the last units' long tiles can start last and run
+    on alone: in a simulation of that (a program's length its key blocks plus 2 for its start and end;
+    anything from 0.5 to 3 chooses the same), about 6 % of a 4k causal call (64 units of 32 tiles), 5 % at
+    8k, 0.1 % at 16k (16 units of 128). The fewest interleaved units within 0.5 % of the simulated best are
+    taken, since more at once read more K/V at once (4 cost 2 % at 16k on the H100). Equal tiles: 1.
     """
-    if not causal:
+    if len(set(tile_blocks)) == 1:
         return 1
-    # a program's length in key blocks, plus about two for its start and end
-    spans = {n: scheduled_span([qt + 3 for _ in range(units // n) for qt in reversed(range(num_qt)) for _ in range(n)])
+    spans = {n: scheduled_span([blocks + 2 for _ in range(units // n) for blocks in tile_blocks for _ in range(n)])
              for n in (1, 2, 4) if units % n == 0}
     best = min(spans.values())
     return min(n for n, span in spans.items() if span <= best * 1.005)
+
+
+MAX_GRID_Y = MAX_GRID_Z = 65535  # CUDA's limits on a grid's second and third dimensions
 
 
 def _check(q, k_shape, bs: BlockSizes, kv_len_name: str):
@@ -384,7 +386,8 @@ def _check(q, k_shape, bs: BlockSizes, kv_len_name: str):
     return b, t, h, hd, kv, group
 
 
-def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, bs: BlockSizes, interpret):
+def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, bs: BlockSizes, interpret,
+          dense_start: int | None = None):
     b, t, h, hd, kv, group = _check(q, k.shape, bs, "pages" if paged else "dense")
     dtype, kv_dtype = operand_dtypes(q.dtype, k.dtype, v.dtype, hd)
     staged = kv_dtype != dtype
@@ -401,11 +404,15 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
         copies = 1
     tr = mma_transforms(dtype)
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
-    units = b * kv * (group // bs.heads_per_program)
-    interleave = bs.interleave or program_order(units, num_qt, causal)
-    if units % interleave:
-        raise ValueError(f"interleave={interleave} must divide the (row, KV head, head group) units: {b} x {kv} x "
-                         f"{group // bs.heads_per_program} = {units}")
+    head_groups = group // bs.heads_per_program
+    units = b * kv * head_groups
+    interleave = default_interleave(causal, dense_start, units, num_qt, bs) if bs.interleave is None else bs.interleave
+    if interleave < 1 or units % interleave:
+        raise ValueError(f"interleave={interleave} must be at least 1 and divide the (row, KV head, head group) "
+                         f"units: {b} x {kv} x {head_groups} = {units}")
+    if units // interleave > (MAX_GRID_Z if interleave > 1 else MAX_GRID_Y):
+        raise ValueError(f"{units // interleave} program rows (batch {b} x KV heads {kv} x head groups {head_groups}"
+                         f" / interleave {interleave}) exceed CUDA's grid limit; split the batch")
     grid, grid_names = ((units // interleave, num_qt, interleave), ("units", "qt", "interleaved")) if interleave > 1 \
         else ((units, num_qt), ("units", "qt"))  # the last axis varies fastest
     kernel = plgpu.kernel(
@@ -433,6 +440,16 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
     return kernel(q, k, v, table, q_start, kv_len)
 
 
+def default_interleave(causal: bool, dense_start: int | None, units: int, num_qt: int, bs: BlockSizes) -> int:
+    """The interleave of a call: by program_order for dense causal calls, whose first query's position is known
+    when tracing; 1 for non-causal ones (equal tiles) and paged chunks (their start is only known on device, and
+    a chunk after a long prefix has near-equal tiles: not measured)."""
+    if not causal or dense_start is None:
+        return 1
+    ends = [dense_start + (qt + 1) * bs.block_q for qt in reversed(range(num_qt))]
+    return program_order(units, tuple(-(-end // bs.block_k) for end in ends))
+
+
 def default_block_sizes(group: int, q_len: int) -> BlockSizes:
     """Heads of one group share a program when the chunk is short or the group is wide."""
     hpp = 1
@@ -455,7 +472,7 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     kv_len = jnp.full((b,), s, jnp.int32)
     table = jnp.zeros((b, 1), jnp.int32)
     out = _call(q, k, v, table, q_start, kv_len, paged=False, causal=causal, sm_scale=sm_scale, bs=bs,
-                interpret=interpret)
+                interpret=interpret, dense_start=s - t if causal else 0)
     return out.astype(q.dtype)
 
 

@@ -49,7 +49,7 @@ from pallas_kernels.paged_attention.reference import combine_splits
 
 _LOG2E = math.log2(math.e)
 _NEG = -1e30
-NUM_SMS = 132  # H100 SXM; only sets how finely short batches are split
+NUM_SMS = backend_lib.NUM_SMS  # only sets how finely short batches are split
 QN = 16  # query rows of a transposed program: the wgmma N
 CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
 CONVERTER_REGISTERS = 112  # per thread of the converting warpgroup: 64 x head_dim values at a time

@@ -40,7 +40,7 @@ from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms, mosaic_dty
 
 ROWS = 64  # output channels per compute warpgroup: the wgmma M
 ROW_MULTIPLE = 8  # activation rows are padded to a multiple of this (the wgmma N granule): callers may pad once
-NUM_SMS = 132  # H100 SXM; only sets how finely k is split
+NUM_SMS = backend_lib.NUM_SMS  # only sets how finely k is split
 # What one wave of programs costs beyond its bytes, in bytes per SM: the pipeline's fill, about a
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
 WAVE_BYTES_PER_SM = 40_000

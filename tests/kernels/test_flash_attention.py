@@ -140,31 +140,38 @@ class InterpretSuite(FlashSuite):
         return 128 // group
 
 
-class TestMosaicGPUInterpret(InterpretSuite):
+class MosaicGPUOrder:
+    """The program order of the Mosaic GPU kernel, interpreted and compiled."""
+
+    def test_interleaved_units_find_their_rows_and_heads(self):
+        """Causal programs of 4 (row, KV head, head group) units interleaved over 2 query tiles each: every program
+        reads its own q, K/V and output."""
+        from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes, default_interleave
+
+        # The benchmark's causal shapes (16 heads, 16k tokens) as simulated: 16k gains nothing from interleaving
+        assert [default_interleave(True, 0, 16 * 16384 // t, t // 128, BlockSizes())
+                for t in (2048, 4096, 8192, 16384)] == [4, 4, 2, 1]
+        assert default_interleave(False, 0, 64, 32, BlockSizes()) == 1  # equal tiles
+        assert default_interleave(True, None, 64, 32, BlockSizes()) == 1  # a paged chunk: its start is unknown
+        rng = np.random.default_rng(5)
+        q = testing.random_normal(rng, (2, 128, 8, 64), jnp.float32)  # 2 rows x 2 KV heads x 2 groups of 2 heads
+        k, v = (testing.random_normal(rng, (2, 192, 2, 64), jnp.float32) for _ in range(2))
+        run = functools.partial(flash_attention, q, k, v, causal=True, backend=self.backend, interpret=self.interpret)
+        out = run(block_sizes=BlockSizes(heads_per_program=2, block_k=64, interleave=4))  # 2 tiles of 64 queries
+        truth = testing.attention_truth(q, k, v, np.full(2, 64), np.full(2, 192), causal=True)
+        assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, "float32")
+        for bad in (3, 0, -1):
+            with pytest.raises(ValueError, match=rf"interleave={bad} must be at least 1 and divide .* 2 x 2 x 2 = 8"):
+                run(block_sizes=BlockSizes(heads_per_program=2, block_k=64, interleave=bad))
+
+
+class TestMosaicGPUInterpret(MosaicGPUOrder, InterpretSuite):
     backend = "mosaic_gpu"
 
     def block_sizes(self, case):
         from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes
 
         return BlockSizes(heads_per_program=case[2])
-
-    def test_interleaved_units_find_their_rows_and_heads(self):
-        """Causal programs of 4 (row, KV head, head group) units interleaved: each reads its own q, K/V and output."""
-        from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes, program_order
-
-        # The benchmark's causal shapes (16 heads, 16k tokens): 4k and 8k gain from interleaving, 16k does not
-        assert [program_order(16 * 16384 // t, t // 128, causal=True) for t in (4096, 8192, 16384)] == [4, 2, 1]
-        assert program_order(64, 32, causal=False) == 1
-        rng = np.random.default_rng(5)
-        q = testing.random_normal(rng, (2, 128, 4, 64), jnp.float32)  # 2 rows x 2 KV heads x 2 head groups
-        k, v = (testing.random_normal(rng, (2, 192, 2, 64), jnp.float32) for _ in range(2))
-        out = flash_attention(q, k, v, causal=True, backend=self.backend, interpret=True,
-                              block_sizes=BlockSizes(heads_per_program=1, block_k=64, interleave=4))
-        truth = testing.attention_truth(q, k, v, np.full(2, 64), np.full(2, 192), causal=True)
-        assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, "float32")
-        with pytest.raises(ValueError, match=r"interleave=3 must divide .* units: 2 x 2 x 2 = 8"):
-            flash_attention(q, k, v, causal=True, backend=self.backend, interpret=True,
-                            block_sizes=BlockSizes(heads_per_program=1, block_k=64, interleave=3))
 
 
 class TestMosaicTPUInterpret(InterpretSuite):
@@ -208,6 +215,6 @@ class TestMosaicTPUInterpret(InterpretSuite):
 
 
 @pytest.mark.gpu
-class TestMosaicGPU(FlashSuite):
+class TestMosaicGPU(MosaicGPUOrder, FlashSuite):
     backend = "mosaic_gpu"
     interpret = False
