@@ -127,13 +127,10 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
             median = median_placement(rates, "ours", "cudnn")
             tf_ours, tf_cudnn = median["ours"], median["cudnn"]
             err = rel_err(ours(*problem), cudnn(*problem))
-            group = heads // problem[1].shape[2]
-            bs = flash_gpu.default_block_sizes(group, seq)
-            units = b * problem[1].shape[2] * (group // bs.heads_per_program)
-            interleave = flash_gpu.default_interleave(causal, 0, units, seq // bs.block_q, bs)  # first query at 0
+            bs = flash_gpu.default_block_sizes(heads // problem[1].shape[2], seq)
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
                           block_k=bs.block_k, stages=bs.stages, heads_per_program=bs.heads_per_program,
-                          interleave=interleave, placements=placements, rounds=rounds,
+                          placements=placements, rounds=rounds,
                           ratios=[round(r, 4) for r in ratios],
                           placement_tflops=[{name: round(t, 1) for name, t in r.items()} for r in rates],
                           k_addresses=buffer_addresses(copies))
