@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -121,7 +122,7 @@ def profile_steps(step, weights, state, inp, steps: int, timeline: str | None = 
     return {"busy_per_step_s": busy / steps / 1e9, "span_per_step_s": span / steps / 1e9,
             "large_gaps_per_step_s": large / steps / 1e9, "large_gaps": count,
             "small_gaps_per_step_s": small / steps / 1e9, "kernels_per_step": len(intervals) / steps,
-            "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(14)]}
+            "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(24)]}
 
 
 def run_variant(cfg, weights, batch: int, context: int, steps: tuple[int, ...], timeline: str | None = None,
@@ -152,9 +153,12 @@ def main() -> None:
                     help="steps per timing, comma-separated: 20 includes the pipeline's fill and drain (~3 ms on the "
                          "H100), 200 is the steady state of a 200-token generation")
     ap.add_argument("--timeline", default=None, help="write every profiled kernel (start, duration, name) to this file")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quicker look)")
     ap.add_argument("--out", default="benchmarks/results/decode_profile_gpu.jsonl")
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     out = "/tmp/decode_profile_smoke.jsonl" if args.smoke else args.out
     copy_bw = copy_bandwidth()
     print(f"{jax.devices()[0]} jax {jax.__version__}; device copy {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -173,7 +177,8 @@ def main() -> None:
             steps = tuple(int(n) for n in args.steps.split(","))
             for n, (wall, prof) in run_variant(cfg, weights, batch, args.context, steps, args.timeline,
                                                      kv_dtype).items():
-                config = {"model": "8B-shaped Llama, random weights" if not args.smoke else "smoke", "variant": name,
+                model = "8B-shaped Llama, random weights" if not args.smoke else "smoke"
+                config = {"model": model + (f", {cfg.num_layers} layers" if args.layers else ""), "variant": name,
                           "weights": "int8" if name == "int8" else "bfloat16",
                           "kv_dtype": jnp.dtype(kv_dtype).name, "batch": batch, "context": args.context, "steps": n}
                 record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
