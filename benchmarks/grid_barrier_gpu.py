@@ -34,7 +34,10 @@ def barrier_kernel(programs: int, phases: int):
     """x [programs, 128] int32 (unread: it orders the calls) -> every row `phases`, written after `phases` grid
     barriers."""
 
-    def body(x_ref, o_ref, row, arrived, departed):
+    def body(x_ref, o_ref, row):
+        # semaphores shared by the whole grid (scratch_types would give each program its own)
+        arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,)))
+        departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         p = jax.lax.axis_index("p")
         for phase in range(phases):
             plgpu.semaphore_signal(arrived.at[phase], 1, memory_scope="gpu")
@@ -55,8 +58,7 @@ def barrier_kernel(programs: int, phases: int):
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((programs, 128), jnp.int32),
-                        scratch_types=(plgpu.SMEM((128,), jnp.int32), plgpu.SemaphoreType.REGULAR((phases,)),
-                                       plgpu.SemaphoreType.REGULAR(())),
+                        scratch_types=(plgpu.SMEM((128,), jnp.int32),),
                         grid=(programs,), grid_names=("p",))
 
 
@@ -64,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--programs", type=int, default=backend_lib.NUM_SMS)
     ap.add_argument("--phases", default="1,16,64")
-    ap.add_argument("--chain", type=int, default=256, help="kernels in the chain that gives a kernel boundary")
+    ap.add_argument("--chain", type=int, default=64, help="kernels in the chain that gives a kernel boundary")
     ap.add_argument("--out", default="benchmarks/results/grid_barrier_gpu.jsonl")
     args = ap.parse_args()
     x = jnp.asarray(np.arange(args.programs * 128, dtype=np.int32).reshape(args.programs, 128))
