@@ -213,8 +213,15 @@ def main() -> None:
     ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
                                                   "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quicker A/B of tilings)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run the decode timings in this many fresh processes one after another and record the median "
+                         "of their ratios (int8's step time moved by 6 %% from one process to the next on one machine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.processes < 1:
+        ap.error(f"--processes must be at least 1, got {args.processes}")
+    if args.processes > 1:
+        return across_processes(args)
     cfg = SMOKE if args.smoke else LLAMA_8B
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
@@ -274,6 +281,47 @@ def main() -> None:
             rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": "bfloat16"},
                                "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
 
+    print_table(rows)
+
+
+def across_processes(args: argparse.Namespace) -> None:
+    """Runs this script's decode timings (--skip-kernel) in `args.processes` fresh processes, one after another,
+    then records for each batch and variant the median ratio to bfloat16 over the processes, with every process's
+    ratio: where the buffers land differs from one process to the next, and int8's step time moves with it."""
+    import json
+    import subprocess
+    import tempfile
+
+    if "bfloat16" not in args.variants.split(","):
+        raise SystemExit(f"--processes compares with bfloat16, which --variants={args.variants!r} leaves out")
+    out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
+    argv = list(sys.argv[1:])
+    per_process: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            path = os.path.join(tmp, f"{i}.jsonl")
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--processes", "1", "--skip-kernel", "--out", path]
+            print(f"process {i + 1} of {args.processes}", flush=True)
+            subprocess.run(cmd, check=True)
+            with open(path) as f:
+                for row in map(json.loads, f):
+                    if row["benchmark"].startswith("int8_decode_batch") and row.get("ratio"):
+                        key = (row["config"]["batch"], row["config"]["weights"])
+                        per_process.setdefault(key, []).append((row["value"], row["ratio"]))
+    if not per_process:
+        raise SystemExit("no process recorded a ratio to bfloat16 (see their output above)")
+    model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
+    steps, context = (2, 40) if args.smoke else (args.steps, args.context)  # as each process sets them
+    rows = []
+    for (batch, weights), runs in sorted(per_process.items()):
+        ratios = [r for _, r in runs]
+        median = float(np.median(ratios))
+        config = {"model": model + (f", {args.layers} layers" if args.layers else ""), "context": context,
+                  "steps": steps, "batch": batch, "weights": weights, "processes": len(runs),
+                  "ratios": [round(r, 4) for r in ratios], "tokens_per_s": [round(v, 2) for v, _ in runs]}
+        rows.append(record(out, f"int8_decode_batch{batch}_across_processes", config, "ratio_to_bfloat16", median,
+                           "x"))
+        print(f"batch {batch} {weights}: median ratio {median:.3f} over {len(runs)} processes {ratios}", flush=True)
     print_table(rows)
 
 
