@@ -42,8 +42,8 @@ def barrier_kernel(programs: int, phases: int):
         for phase in range(phases):
             plgpu.semaphore_signal(arrived.at[phase], 1, memory_scope="gpu")
             plgpu.semaphore_wait(arrived.at[phase], programs, decrement=False, memory_scope="gpu")
-        # the counts back to 0 for the next call (whether scratch semaphores are zeroed between calls is not
-        # documented): once every program has passed every phase, program 0 takes them down
+        # get_global's semaphores outlive the call: once every program has passed every phase, program 0 takes
+        # the counts back to 0 for the next call
         plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
 
         @pl.when(p == 0)
@@ -72,7 +72,7 @@ def main() -> None:
     x = jnp.asarray(np.arange(args.programs * 128, dtype=np.int32).reshape(args.programs, 128))
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
     phase_counts = [int(p) for p in args.phases.split(",")]
-    if jax.default_backend() == "cpu":  # Mosaic GPU's interpreter has no global semaphores: lower for CUDA only
+    if jax.default_backend() == "cpu":  # not interpreted (Mosaic GPU's interpreter could not allocate semaphores)
         for phases in phase_counts:
             jax.jit(barrier_kernel(args.programs, phases)).trace(x).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA with {phase_counts} phases (no GPU here: nothing timed)")

@@ -220,14 +220,17 @@ def main() -> None:
     args = ap.parse_args()
     if args.processes < 1:
         ap.error(f"--processes must be at least 1, got {args.processes}")
-    if args.processes > 1:
-        return across_processes(args)
     cfg = SMOKE if args.smoke else LLAMA_8B
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     if args.smoke:
         args.steps, args.reps, args.context = 2, 1, 40
     out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
+    model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
+    model += f", {cfg.num_layers} layers" if args.layers else ""
+    base = {"model": model, "context": args.context, "steps": args.steps}
+    if args.processes > 1:
+        return across_processes(args, out, base)
     print(f"{jax.devices()[0]} jax {jax.__version__}; writing {out}", flush=True)
 
     if args.tilings:
@@ -239,9 +242,6 @@ def main() -> None:
         return print_table(rows)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     int8 = quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
-    model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
-    model += f", {cfg.num_layers} layers" if args.layers else ""
-    base = {"model": model, "context": args.context, "steps": args.steps}
     rows.append(record(out, "int8_param_bytes", base, "parameter_bytes", param_bytes(int8), "bytes", "bfloat16",
                        param_bytes(bf16), higher_is_better=False))
     rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
@@ -284,23 +284,23 @@ def main() -> None:
     print_table(rows)
 
 
-def across_processes(args: argparse.Namespace) -> None:
+def across_processes(args: argparse.Namespace, out: str, base: dict) -> None:
     """Runs this script's decode timings (--skip-kernel) in `args.processes` fresh processes, one after another,
-    then records for each batch and variant the median ratio to bfloat16 over the processes, with every process's
-    ratio: where the buffers land differs from one process to the next, and int8's step time moves with it."""
+    then records in `out` for each batch and variant the median ratio to bfloat16 over the processes, with every
+    process's ratio: where the buffers land differs from one process to the next, and int8's step time moves with
+    it. `base`: the config every row of this run carries."""
     import json
     import subprocess
     import tempfile
 
     if "bfloat16" not in args.variants.split(","):
         raise SystemExit(f"--processes compares with bfloat16, which --variants={args.variants!r} leaves out")
-    out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
-    argv = list(sys.argv[1:])
     per_process: dict[tuple[int, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.processes):
             path = os.path.join(tmp, f"{i}.jsonl")
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--processes", "1", "--skip-kernel", "--out", path]
+            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--processes", "1", "--skip-kernel",
+                   "--out", path]
             print(f"process {i + 1} of {args.processes}", flush=True)
             subprocess.run(cmd, check=True)
             with open(path) as f:
@@ -310,14 +310,11 @@ def across_processes(args: argparse.Namespace) -> None:
                         per_process.setdefault(key, []).append((row["value"], row["ratio"]))
     if not per_process:
         raise SystemExit("no process recorded a ratio to bfloat16 (see their output above)")
-    model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
-    steps, context = (2, 40) if args.smoke else (args.steps, args.context)  # as each process sets them
     rows = []
     for (batch, weights), runs in sorted(per_process.items()):
         ratios = [r for _, r in runs]
         median = float(np.median(ratios))
-        config = {"model": model + (f", {args.layers} layers" if args.layers else ""), "context": context,
-                  "steps": steps, "batch": batch, "weights": weights, "processes": len(runs),
+        config = {**base, "batch": batch, "weights": weights, "processes": len(runs),
                   "ratios": [round(r, 4) for r in ratios], "tokens_per_s": [round(v, 2) for v, _ in runs]}
         rows.append(record(out, f"int8_decode_batch{batch}_across_processes", config, "ratio_to_bfloat16", median,
                            "x"))
