@@ -45,6 +45,7 @@ NUM_SMS = backend_lib.NUM_SMS  # only sets how finely k is split
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
 WAVE_BYTES_PER_SM = 40_000
 WIDE_STEP_ROWS = 16  # up to this many activation rows, a step takes 256 inputs (see _resolve)
+STREAM_K_IDLE = 0.1  # see BlockSizes.stream_k
 SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
 
@@ -61,6 +62,11 @@ class BlockSizes:
     stages: int | None = None  # tiles in flight per program; None: 3 of 256 inputs or 4 of 128 (64-96 KiB of weight
     # covers the H100's memory latency), fewer of 128 where 4 do not fit in shared memory (wide activation tiles)
     num_splits: int | None = None  # k splits; None: the fewest that fill the chip (see default_splits)
+    stream_k: bool | None = None  # one program an SM, each streaming an equal run of (output tile, step) units
+    # (stream-K, see _stream_k_kernel): per-channel scales and one tile of rows only; num_splits is then unused.
+    # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
+    # would leave more than STREAM_K_IDLE of its waves' SMs idle (and num_splits is not given)
+    programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -82,8 +88,10 @@ def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     """Shared memory of one program: the tile ring (16-bit activations, int8 weights), the scales, the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
-    k_split = k // bs.num_splits
     ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
+    if bs.stream_k:  # no scales; float32 partials and a tile of zeros a warpgroup
+        return ring + 2 * bs.block_n * bs.block_m * 4 + 8 * 2 * bs.stages + 1024
+    k_split = k // bs.num_splits
     scales = max(1, k_split // group) * bs.block_n * 4
     out = bs.block_n * bs.block_m * (4 if bs.num_splits > 1 else 2)
     return ring + scales + out + 8 * (1 + 2 * bs.stages) + 1024
@@ -108,13 +116,27 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
+    if bs.stream_k:
+        if group != k or m > block_m:
+            raise ValueError(f"stream_k takes per-channel scales (group={group} must be k={k}) and one tile of rows "
+                             f"(m={m} must be at most block_m={block_m})")
+        resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True,
+                              stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=1,
+                              programs=min(bs.programs or NUM_SMS, (n // block_n) * (k // block_k)))
+        if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
+            raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has")
+        return resolved
     splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m)
+    if bs.stream_k is None and bs.num_splits is None and group == k and m <= block_m <= WIDE_STEP_ROWS:
+        programs = (n // block_n) * splits
+        if programs < (1 - STREAM_K_IDLE) * -(-programs // NUM_SMS) * NUM_SMS:
+            return _resolve(dataclasses.replace(bs, stream_k=True), m, n, k, group)
     k_split = k // splits if k % splits == 0 else 0
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
     resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m,
-                          stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits)
+                          stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, stream_k=False)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
     if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
@@ -257,6 +279,140 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
         plgpu.wait_smem_to_gmem(0)
 
 
+def stream_k_plan(units_per_tile: int, tiles: int, programs: int) -> tuple[int, int]:
+    """(slots, fragments): of a stream-K grid where program p takes units [p·T // P, (p+1)·T // P) of the T =
+    tiles · units_per_tile units in tile-major order, the most programs that share one tile (each writes its
+    partial to its own slot of the output) and the most tiles one program touches."""
+    total = tiles * units_per_tile
+    shares = [0] * tiles
+    fragments = 0
+    for p in range(programs):
+        first, last = p * total // programs // units_per_tile, ((p + 1) * total // programs - 1) // units_per_tile
+        fragments = max(fragments, last - first + 1)
+        for t in range(first, last + 1):
+            shares[t] += 1
+    return max(shares), fragments
+
+
+def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_bar, free_bar, *, bs: BlockSizes,
+                     k: int, slots: int, fragments: int, interpreted: bool):
+    """Stream-K: the product as T = tiles × steps units (an output tile of block_n channels, block_k inputs), in
+    tile-major order; program p of P streams units [p·T // P, (p+1)·T // P) through one copy ring, so every
+    program moves the same bytes (no partial last wave) and its ring never refills. The run crosses tiles: each
+    piece of a tile (a fragment) writes its float32 sum to slot i of o_ref [slots, m_pad, n], i being the
+    fragment's place among the tile's pieces, and the piece ending the tile zeroes the slots after its own. The
+    caller sums the slots and applies the per-channel scales (elementwise: XLA fuses it into the consumer)."""
+    block_n, block_k, block_m, stages, programs = bs.block_n, bs.block_k, bs.block_m, bs.stages, bs.programs
+    p, wg = lax.axis_index("p"), lax.axis_index("wg")
+    compute_wgs = block_n // ROWS
+    steps = k // block_k  # units a tile
+    total = (o_ref.shape[2] // block_n) * steps
+    begin, end = lax.div(p * total, programs), lax.div((p + 1) * total, programs)
+
+    @pl.when(wg == compute_wgs)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def step(u, carry):
+            g = u - begin  # this program's ring runs on across tiles
+            slot = lax.rem(g, stages)
+
+            @pl.when(g >= stages)
+            def _():
+                plgpu.barrier_wait(free_bar.at[slot])
+
+            k_at = lax.rem(u, steps) * block_k
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n), pl.ds(k_at, block_k)],
+                                    w_smem.at[slot], tile_bar.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k_at, block_k)], x_smem.at[slot], tile_bar.at[slot])
+            return carry
+
+        lax.fori_loop(begin, end, step, None)
+
+        def drain(g, carry):  # every completion of a barrier is awaited before the kernel ends
+            plgpu.barrier_wait(free_bar.at[lax.rem(g, stages)])
+            return carry
+
+        lax.fori_loop(jnp.maximum(end - begin - stages, 0), end - begin, drain, None)
+
+    @pl.when(wg < compute_wgs)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
+        rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+        chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+
+        def weight_tile(slot, cols):  # as in _kernel: int8 rows -> bfloat16 registers in the wgmma A layout
+            w = with_layout(w_smem.at[slot, rows, cols][...], plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
+            return wgmma(w.astype(jnp.bfloat16))
+
+        def store_tile(tile, ref):  # outᵀ's [64, block_m] tile -> ref [block_m, 64] (see _kernel)
+            if interpreted:
+                ref[...] = tile.T
+            else:
+                plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(tile, plgpu.Layout.WGMMA_TRANSPOSED)
+
+        store_tile(wgmma(jnp.zeros((ROWS, block_m), jnp.float32)), z_smem.at[wg])
+        plgpu.commit_smem()
+
+        def product(first, last):  # [64, block_m] f32 over units [first, last) of the ring
+            if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
+                def step(u, acc):
+                    slot = lax.rem(u - begin, stages)
+                    plgpu.barrier_wait(tile_bar.at[slot])
+                    for cols in chunks:
+                        acc = acc + lax.dot_general(weight_tile(slot, cols), x_smem.at[slot, :, cols][...],
+                                                    _CONTRACT_K, preferred_element_type=jnp.float32)
+                    plgpu.barrier_arrive(free_bar.at[slot])
+                    return acc
+
+                return lax.fori_loop(first, last, step, jnp.zeros((ROWS, block_m), jnp.float32))
+
+            def accumulate(acc_ref):
+                def step(u, carry):
+                    slot = lax.rem(u - begin, stages)
+                    plgpu.barrier_wait(tile_bar.at[slot])
+                    tiles = [weight_tile(slot, cols) for cols in chunks]  # all converted before any wgmma is issued
+                    for tile, cols in zip(tiles, chunks):
+                        plgpu.wgmma(acc_ref, tile, x_smem.at[slot, :, cols].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free_bar.at[slot])
+                    return carry
+
+                lax.fori_loop(first, last, step, None)
+                return acc_ref[...]
+
+            return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
+
+        first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
+        for f in range(fragments):  # the tiles this program's units touch, in order
+            tile = first_tile + f
+
+            @pl.when(tile <= last_tile)
+            def _fragment():
+                start, stop = jnp.maximum(begin, tile * steps), jnp.minimum(end, (tile + 1) * steps)
+                total_tile = product(start, stop)
+                # this fragment's place among the tile's: the tile's first unit lies in program
+                # ceil((u + 1)·P / T) - 1, and every program from there to p holds a piece of it
+                owner = lax.div((tile * steps + 1) * programs + total - 1, total) - 1
+                piece = p - owner
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous fragment's tile has left o_smem
+                store_tile(total_tile, o_smem.at[wg])
+                plgpu.commit_smem()
+                cols = pl.ds(tile * block_n + wg * ROWS, ROWS)
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[piece, :, cols])
+
+                @pl.when(stop == (tile + 1) * steps)
+                def _zero_the_rest():  # the tile's last piece: no other program writes the slots after it
+                    def zero(i, carry):
+                        plgpu.copy_smem_to_gmem(z_smem.at[wg], o_ref.at[i, :, cols])
+                        return carry
+
+                    lax.fori_loop(piece + 1, slots, zero, None)
+
+        plgpu.wait_smem_to_gmem(0)
+
+
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_dtype: Any = None,
                      block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """x [m, k] times int8 values [n, k] with scales [groups, n] (see reference.quantized_matmul)."""
@@ -277,17 +433,36 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     partial = splits > 1
     compute_wgs = bs.block_n // ROWS
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
-    o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
-    out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
+    ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
+            plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms))
+    if bs.stream_k:
+        slots, fragments = stream_k_plan(k // bs.block_k, n // bs.block_n, bs.programs)
+        kernel = plgpu.kernel(
+            functools.partial(_stream_k_kernel, bs=bs, k=k, slots=slots, fragments=fragments,
+                              interpreted=params is not None),
+            out_type=jax.ShapeDtypeStruct((slots, m_pad, n), jnp.float32),
+            scratch_types=(
+                *ring,
+                plgpu.SMEM((compute_wgs, bs.block_m, ROWS), jnp.float32),  # a fragment's sums
+                plgpu.SMEM((compute_wgs, bs.block_m, ROWS), jnp.float32),  # zeros
+                plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),
+                plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
+            ),
+            grid=(bs.programs,), grid_names=("p",), num_threads=compute_wgs + 1, thread_name="wg", interpret=params,
+        )
+        parts = kernel(xp, values)
+        out = functools.reduce(operator.add, (parts[i] for i in range(slots)))  # elementwise: fuses into the consumer
+        return (out[:m] * scales[0].astype(jnp.float32)).astype(out_dtype)
+    o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
+    out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     kernel = plgpu.kernel(
         functools.partial(_kernel, bs=bs, k_split=k_split, group=group, partial=partial,
                           interpreted=params is not None),
         out_type=out_type,
         scratch_types=(
-            plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
-            plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms),
+            *ring,
             plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
             plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
             plgpu.Barrier(num_arrivals=1),  # the scales copied

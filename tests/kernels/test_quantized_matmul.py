@@ -176,3 +176,57 @@ def test_decode_tilings_fit_in_shared_memory_and_lower_for_cuda(rows):
     with pytest.raises(ValueError, match="bytes of shared memory"):
         mosaic_gpu.quantized_matmul(jnp.zeros((128, 14336), jnp.bfloat16), jnp.zeros((4096, 14336), jnp.int8),
                                     jnp.ones((1, 4096), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(stages=4))
+
+
+# (m, n, k, block_n, programs): stream-K runs that split tiles among 2 and 3 programs (the last piece zeroing the
+# slot nobody else writes), a program across three tiles, one compute warpgroup, more programs than units
+STREAM_K_CASES = [(5, 384, 1024, 128, 5), (3, 384, 1024, 128, 7), (8, 512, 256, 128, 2), (1, 192, 512, 64, 4),
+                  (2, 128, 512, 128, 132)]
+
+
+def test_stream_k_plan_counts_pieces_and_tiles():
+    from pallas_kernels.quantized_matmul.mosaic_gpu import stream_k_plan
+
+    assert stream_k_plan(4, 3, 5) == (2, 2)  # programs of 2-3 units over tiles of 4
+    assert stream_k_plan(4, 3, 7) == (3, 2)
+    assert stream_k_plan(1, 4, 2) == (1, 2)
+    assert stream_k_plan(16, 224, 132) == (2, 3)  # 8B gate_up at batch 1: 27-28 units a program
+    assert stream_k_plan(56, 32, 132) == (5, 2)  # 8B down
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("sk_case", STREAM_K_CASES)
+def test_stream_k_matches_float64(sk_case, interpret):
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    m, n, k, block_n, programs = sk_case
+    rng = np.random.default_rng(m * n + programs)
+    values, scales = random_weight(rng, n, k, k)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    bs = mosaic_gpu.BlockSizes(block_n=block_n, stream_k=True, programs=programs)
+    out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu", interpret=interpret,
+                           block_sizes=bs, out_dtype=jnp.float32)
+    want = truth(np.asarray(x.astype(jnp.float32)), values, scales)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+def test_stream_k_refuses_grouped_scales_and_row_tiles():
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    with pytest.raises(ValueError, match="group=128 must be k=256"):
+        mosaic_gpu._resolve(mosaic_gpu.BlockSizes(stream_k=True), 8, 128, 256, 128)
+    with pytest.raises(ValueError, match="m=24 must be at most block_m=8"):
+        mosaic_gpu._resolve(mosaic_gpu.BlockSizes(stream_k=True, block_m=8), 24, 128, 256, 256)
+
+
+def test_stream_k_lowers_for_cuda_on_the_8b_decode_shapes():
+    import jax
+
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        shapes = [jax.ShapeDtypeStruct(s, d) for s, d in [((8, k), jnp.bfloat16), ((n, k), jnp.int8),
+                                                          ((1, n), jnp.float32)]]
+        jax.jit(lambda x, v, s: mosaic_gpu.quantized_matmul(
+            x, v, s, interpret=False, block_sizes=mosaic_gpu.BlockSizes(stream_k=True))).trace(
+            *shapes).lower(lowering_platforms=("cuda",))
