@@ -45,7 +45,12 @@ NUM_SMS = backend_lib.NUM_SMS  # only sets how finely k is split
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
 WAVE_BYTES_PER_SM = 40_000
 WIDE_STEP_ROWS = 16  # up to this many activation rows, a step takes 256 inputs (see _resolve)
-STREAM_K_IDLE = 0.1  # see BlockSizes.stream_k
+# Where BlockSizes.stream_k is None: by device kind, the share of the split grid's SMs (over its waves) left idle
+# above which decode's products take stream-K. Measured on 4-layer 8B decode steps at batch 1, against the split
+# grid in the same run: on the H200 stream-K for qkv and gate_up took 0.637 -> 0.598 ms; on the H100 it gained
+# nothing in the step for qkv (0.683 against 0.681 ms) and gate_up lost in the kernel (45.8 -> 47.1 us), so it is
+# off there (and on any kind not named).
+STREAM_K_IDLE = {"H200": 0.1}
 SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
 
@@ -65,7 +70,7 @@ class BlockSizes:
     stream_k: bool | None = None  # one program an SM, each streaming an equal run of (output tile, step) units
     # (stream-K, see _stream_k_kernel): per-channel scales and one tile of rows only; num_splits is then unused.
     # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
-    # would leave more than STREAM_K_IDLE of its waves' SMs idle (and num_splits is not given)
+    # would leave more of its waves' SMs idle than stream_k_idle() (and num_splits is not given)
     programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
 
 
@@ -127,9 +132,10 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
             raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has")
         return resolved
     splits = bs.num_splits or default_splits(m, n, k, group, block_n, block_k, block_m)
-    if bs.stream_k is None and bs.num_splits is None and group == k and m <= block_m <= WIDE_STEP_ROWS:
+    idle = stream_k_idle() if bs.stream_k is None and bs.num_splits is None else None
+    if idle is not None and group == k and m <= block_m <= WIDE_STEP_ROWS:
         programs = (n // block_n) * splits
-        if programs < (1 - STREAM_K_IDLE) * -(-programs // NUM_SMS) * NUM_SMS:
+        if programs < (1 - idle) * -(-programs // NUM_SMS) * NUM_SMS:
             return _resolve(dataclasses.replace(bs, stream_k=True), m, n, k, group)
     k_split = k // splits if k % splits == 0 else 0
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
@@ -143,6 +149,12 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has; "
                          f"use fewer stages, a smaller block_k or a smaller block_m (m={m})")
     return resolved
+
+
+def stream_k_idle() -> float | None:
+    """STREAM_K_IDLE for the default device (None: stream-K is not a default there)."""
+    kind = jax.devices()[0].device_kind
+    return next((idle for name, idle in STREAM_K_IDLE.items() if name in kind), None)
 
 
 def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: int, block_m: int) -> int:

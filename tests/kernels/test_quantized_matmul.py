@@ -230,3 +230,23 @@ def test_stream_k_lowers_for_cuda_on_the_8b_decode_shapes():
         jax.jit(lambda x, v, s: mosaic_gpu.quantized_matmul(
             x, v, s, interpret=False, block_sizes=mosaic_gpu.BlockSizes(stream_k=True))).trace(
             *shapes).lower(lowering_platforms=("cuda",))
+
+
+
+def test_stream_k_is_the_default_only_where_a_device_kind_gains(monkeypatch):
+    """With a threshold (the H200's), decode's qkv (96 of 132 SMs busy) and gate_up (224 programs over 264 slots)
+    take stream-K, the products that fill their waves do not; without one (the H100, the CPU) none does."""
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    shapes = {"qkv": (6144, 4096), "wo": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "head": (128256, 4096)}
+
+    def chosen():
+        return {name for name, (n, k) in shapes.items()
+                if mosaic_gpu._resolve(mosaic_gpu.BlockSizes(), 8, n, k, k).stream_k}
+
+    assert mosaic_gpu.stream_k_idle() is None and chosen() == set()
+    monkeypatch.setattr(mosaic_gpu, "stream_k_idle", lambda: 0.1)
+    assert chosen() == {"qkv", "gate_up"}
+    assert not mosaic_gpu._resolve(mosaic_gpu.BlockSizes(), 64, 6144, 4096, 4096).stream_k  # wide tiles: no
+    assert not mosaic_gpu._resolve(mosaic_gpu.BlockSizes(num_splits=2), 8, 6144, 4096, 4096).stream_k
