@@ -6,7 +6,7 @@ when every gate_up program has ended. Here one program an SM works through a sta
 
 - gate item i: channels [64 i, 64 i + 64) over all of d. Compute warpgroup 0 multiplies their gate
   rows, warpgroup 1 their up rows (the producer copies each half of the weight tile from
-  values [f, 2, d] viewed at gate or up). Warpgroup 1 hands its scaled sums to warpgroup 0 through
+  values [f, 2 d]: a channel's gate row, then its up row). Warpgroup 1 hands its scaled sums to warpgroup 0 through
   shared memory; warpgroup 0 forms act = silu(r · s_g · g) · r · s_u · u for its 64 channels and
   stores them (bfloat16) into `act` [m, f] in global memory, then adds one to the semaphore of the
   down split that holds those channels.
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import heapq
+import os
+_DBG = set(os.environ.get("MLP_DBG", "").split(","))
 from typing import Any
 
 import jax
@@ -96,9 +98,9 @@ def plan(d: int, f: int, programs: int = NUM_SMS, splits: int | None = None) -> 
 
 
 def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
-            table_smem, r_smem, x_smem, w_smem, s_smem, u_smem, a_smem, o_smem, start_bar, s_bar, tile_bar,
-            free_bar, u_bar, *, d: int, f: int, splits: int, programs: int, slots: int):
-    # table_ref [programs, slots] int32; x_ref [m_pad, d] bf16; r_ref [m_pad] f32; gu_ref [f, 2, d] int8;
+            table_smem, r_smem, x_smem, w_smem, s_smem, s_rows, u_smem, a_smem, o_smem, start_bar, s_bar,
+            dealt_bar, tile_bar, free_bar, u_bar, *, d: int, f: int, splits: int, programs: int, slots: int):
+    # table_ref [programs, slots] int32; x_ref [m_pad, d] bf16; r_ref [m_pad] f32; gu_ref [f, 2 d] int8;
     # gs_ref [2 f] f32 (gate and up scales interleaved); dw_ref [d, f] int8; o_ref [splits, m_pad, d] f32;
     # act_ref [m_pad, f] bf16 (written by gate items, read by down items)
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -106,8 +108,9 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
     gates, tiles = f // ROWS, d // 128
     gate_steps, split_k = d // BLOCK_K, f // splits
     down_steps, gates_per_split = split_k // BLOCK_K, gates // splits
-    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((splits,)))  # gate items done, by down split
-    departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    if "noglobal" not in _DBG:
+        ready = pl.get_global(plgpu.SemaphoreType.REGULAR((splits,)))  # gate items done, by down split
+        departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
 
     def steps_of(item):
         return jnp.where(item < 0, 0, jnp.where(item < gates, gate_steps, down_steps))
@@ -121,7 +124,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
         for j in range(slots):  # the scales of this program's gate items
             item = table_smem[j]
 
-            @pl.when(jnp.logical_and(item >= 0, item < gates))
+            @pl.when(jnp.logical_and(jnp.logical_and(item >= 0, item < gates), "noscale" not in _DBG))
             def _():
                 plgpu.copy_gmem_to_smem(gs_ref.at[pl.ds(item * 2 * ROWS, 2 * ROWS)], s_smem.at[j], s_bar.at[j])
 
@@ -136,19 +139,41 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
 
         g0 = jnp.int32(0)
         for j in range(slots):
-            item = table_smem[j]
+            item = table_smem[j] if "noitems" not in _DBG else jnp.int32(-1)
 
             @pl.when(jnp.logical_and(item >= 0, item < gates))
             def _gate():
                 def step(i, carry):
                     slot, k = take_slot(g0 + i), i * BLOCK_K
-                    for half in range(2):  # gate rows, then up rows, of channels [64 item, 64 item + 64)
-                        plgpu.copy_gmem_to_smem(gu_ref.at[pl.ds(item * ROWS, ROWS), half, pl.ds(k, BLOCK_K)],
+                    if "onecopy" in _DBG:
+                        plgpu.copy_gmem_to_smem(gu_ref.at[pl.ds(lax.rem(item * ROWS, f - 128), 128), pl.ds(k, BLOCK_K)],
+                                                w_smem.at[slot], tile_bar.at[slot])
+                    else:
+                      for half in range(2):  # gate rows, then up rows, of channels [64 item, 64 item + 64)
+                        plgpu.copy_gmem_to_smem(gu_ref.at[pl.ds(item * ROWS, ROWS), pl.ds(half * d + k, BLOCK_K)],
                                                 w_smem.at[slot, pl.ds(half * ROWS, ROWS)], tile_bar.at[slot])
                     plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
                     return carry
 
-                lax.fori_loop(0, gate_steps, step, None)
+                first = min(STAGES, gate_steps)
+                lax.fori_loop(0, first, step, None)
+                # the scales come gate, up, gate, up, ...: each compute warpgroup reads its half as one contiguous
+                # row, so they are dealt out here, one value at a time, while the first copies are in flight
+                if "noscale" not in _DBG:
+                    plgpu.barrier_wait(s_bar.at[j])
+                if "nodeal" in _DBG:
+                    plgpu.barrier_arrive(dealt_bar.at[j])
+                    lax.fori_loop(first, gate_steps, step, None)
+                    return
+
+                def deal(c, carry):
+                    for half in range(2):
+                        s_rows[j, half, c] = s_smem[j, 2 * c + half]
+                    return carry
+
+                lax.fori_loop(0, ROWS, deal, None)
+                plgpu.barrier_arrive(dealt_bar.at[j])
+                lax.fori_loop(first, gate_steps, step, None)
 
             @pl.when(item >= gates)
             def _down():
@@ -169,7 +194,8 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                 first = min(STAGES, down_steps)
                 for i in range(first):  # the weights go ahead of the split's activations
                     weights(i)
-                plgpu.semaphore_wait(ready.at[s], gates_per_split, decrement=False, memory_scope="gpu")
+                if "noglobal" not in _DBG:
+                    plgpu.semaphore_wait(ready.at[s], gates_per_split, decrement=False, memory_scope="gpu")
                 for i in range(first):
                     activations(i)
 
@@ -219,7 +245,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
         r = lax.broadcast_in_dim(r, (ROWS, block_m), [1])
 
         def scaled(total, j, half):  # the sums times their channels' scales and the rows' r
-            scale = plgpu.layout_cast(s_smem.at[j].reshape(ROWS, 2).at[:, half][...], plgpu.Layout.WGMMA.reduce(1))
+            scale = plgpu.layout_cast(s_rows.at[j, half][...], plgpu.Layout.WGMMA.reduce(1))
             return total * lax.broadcast_in_dim(scale, total.shape, [0]) * r
 
         def store_transposed(tile, ref):  # [64, block_m] registers -> ref [block_m, 64]
@@ -228,12 +254,14 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
 
         g0 = jnp.int32(0)
         for j in range(slots):
-            item = table_smem[j]
+            item = table_smem[j] if "noitems" not in _DBG else jnp.int32(-1)
 
             @pl.when(jnp.logical_and(item >= 0, item < gates))
             def _gate():
                 total = product(g0, gate_steps)
-                plgpu.barrier_wait(s_bar.at[j])
+                if "noepi" in _DBG:
+                    return
+                plgpu.barrier_wait(dealt_bar.at[j])
 
                 @pl.when(wg == 1)
                 def _up():
@@ -247,11 +275,12 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                     u = plgpu.layout_cast(u_smem.at[j][...], plgpu.Layout.WGMMA)
                     act = g / (1.0 + jnp.exp(-g)) * u
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a_smem's last tile has left
-                    store_transposed(act, a_smem)
+                    store_transposed(act, a_smem.at[0])
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(a_smem, act_ref.at[:, pl.ds(item * ROWS, ROWS)])
+                    plgpu.copy_smem_to_gmem(a_smem.at[0], act_ref.at[:, pl.ds(item * ROWS, ROWS)])
                     plgpu.wait_smem_to_gmem(0)  # written to global memory before the split hears of it
-                    plgpu.semaphore_signal(ready.at[lax.div(item, gates_per_split)], 1, memory_scope="gpu")
+                    if "nosig" not in _DBG:
+                        plgpu.semaphore_signal(ready.at[lax.div(item, gates_per_split)], 1, memory_scope="gpu")
 
             @pl.when(item >= gates)
             def _down():
@@ -266,15 +295,16 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
 
         plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _depart():  # program 0 takes the semaphores back to zero once every program is done with them
-            plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
+        if "nodep" not in _DBG:
+            @pl.when(wg == 0)
+            def _depart():  # program 0 takes the semaphores back to zero once every program is done with them
+                plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
 
-            @pl.when(p == 0)
-            def _():
-                plgpu.semaphore_wait(departed, programs, memory_scope="gpu")
-                for s in range(splits):
-                    plgpu.semaphore_signal(ready.at[s], -gates_per_split, memory_scope="gpu")
+                @pl.when(p == 0)
+                def _():
+                    plgpu.semaphore_wait(departed, programs, memory_scope="gpu")
+                    for s in range(splits):
+                        plgpu.semaphore_signal(ready.at[s], -gates_per_split, memory_scope="gpu")
 
 
 def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
@@ -311,18 +341,20 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
             plgpu.SMEM((STAGES, m_pad, BLOCK_K), dtype, transforms=mma_transforms(dtype)),
             plgpu.SMEM((STAGES, 2 * ROWS, BLOCK_K), jnp.int8, transforms=int8_transforms),
             plgpu.SMEM((slots, 2 * ROWS), jnp.float32),  # a gate item's scales, gate and up interleaved
+            plgpu.SMEM((slots, 2, ROWS), jnp.float32),  # the same, gate then up
             plgpu.SMEM((slots, ROWS, m_pad), jnp.float32),  # warpgroup 1's scaled up sums, a gate item each
-            plgpu.SMEM((m_pad, ROWS), dtype),  # a gate item's act tile
+            plgpu.SMEM((1, m_pad, ROWS), dtype),  # a gate item's act tile
             plgpu.SMEM((2, m_pad, ROWS), jnp.float32),  # a down item's sums
             plgpu.Barrier(num_arrivals=2),  # the item table and r copied
             plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # a gate item's scales copied
-            plgpu.Barrier(num_arrivals=3, num_barriers=STAGES),  # a step's two weight halves and activations
+            plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # ... and dealt out by half
+            plgpu.Barrier(num_arrivals=2 if "onecopy" in _DBG else 3, num_barriers=STAGES),  # a step's two weight halves and activations
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # warpgroup 1's up sums stored
         ),
         grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
     )
-    parts, _ = kernel(jnp.asarray(table), xp, rp, gu_values, gu_scales.reshape(2 * f).astype(jnp.float32),
+    parts, _ = kernel(jnp.asarray(table), xp, rp, gu_values.reshape(f, 2 * d), gu_scales.reshape(2 * f).astype(jnp.float32),
                       down_values)
     out = parts[0]
     for s in range(1, splits):  # a sum of slices: elementwise, it fuses into the consumer (the residual add)
