@@ -19,6 +19,10 @@ transposed back in registers and out [m, n] goes out through shared memory by TM
 transpose follows the kernel. With several k splits each writes a float32 partial, summed
 afterwards (decode has too few output tiles to fill 132 SMs) by a sum of slices that XLA fuses
 into the product's consumer.
+
+Stream-K (`BlockSizes.stream_k`, `_stream_k_kernel`) instead gives each of 132 programs an equal
+run of (output tile, step) units, so no wave is partial; a default only where a device kind
+measured a gain (STREAM_K_IDLE).
 """
 
 from __future__ import annotations
