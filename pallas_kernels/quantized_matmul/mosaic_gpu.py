@@ -401,9 +401,7 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
 
         first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
-        for f in range(fragments):  # the tiles this program's units touch, in order
-            tile = first_tile + f
-
+        def fragment(tile):  # the piece of `tile` in this program's run, if any
             @pl.when(tile <= last_tile)
             def _fragment():
                 start, stop = jnp.maximum(begin, tile * steps), jnp.minimum(end, (tile + 1) * steps)
@@ -425,6 +423,9 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
                         return carry
 
                     lax.fori_loop(piece + 1, slots, zero, None)
+
+        for f in range(fragments):  # the tiles this program's units touch, in order
+            fragment(first_tile + f)
 
         plgpu.wait_smem_to_gmem(0)
 

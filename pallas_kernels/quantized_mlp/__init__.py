@@ -1,0 +1,36 @@
+"""int8 SiLU-gated MLP for decode: down(silu(r · gate(x)) · r · up(x)) with int8 weights, as one kernel.
+
+`backend`: "auto" (the Mosaic GPU kernel on a GPU for the shapes it takes, XLA otherwise), "mosaic_gpu",
+"reference" (XLA: the int8 matmul's reference twice). Weights as the model stores them: gate_up values
+[f, 2, d] with per-channel scales [1, f, 2], down values [d, f] with scales [1, d].
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.quantized_mlp.reference import quantized_mlp as quantized_mlp_reference
+
+
+def supports(m: int, d: int, f: int, groups: int, backend: str = "auto") -> bool:
+    """Whether `backend` runs this MLP as one kernel (per-channel scales, decode's few rows, a GPU)."""
+    if backend_lib.resolve(backend) != "mosaic_gpu" or groups != 1 or backend_lib.interpreted("mosaic_gpu"):
+        return False
+    from pallas_kernels.quantized_mlp import mosaic_gpu
+
+    return mosaic_gpu.supports(m, d, f)
+
+
+def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
+                  down_scales: jax.Array, *, backend: str = "auto", **kwargs) -> jax.Array:
+    """[m, d] float32; see reference.quantized_mlp."""
+    if backend == "reference" or (backend == "auto" and not supports(
+            x.shape[0], x.shape[1], gu_values.shape[0], gu_scales.size // gu_values.shape[0] // 2)):
+        return quantized_mlp_reference(x, r, gu_values, gu_scales, down_values, down_scales)
+    from pallas_kernels.quantized_mlp import mosaic_gpu
+
+    return mosaic_gpu.quantized_mlp(x, r, gu_values, gu_scales, down_values, down_scales, **kwargs)
+
+
+__all__ = ["quantized_mlp", "quantized_mlp_reference", "supports"]

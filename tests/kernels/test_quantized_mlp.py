@@ -1,0 +1,95 @@
+"""The fused int8 MLP kernel: its schedule, its lowering on the CPU, and its numbers on the GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.quantized_mlp import mosaic_gpu, quantized_mlp, quantized_mlp_reference
+
+
+def random_mlp(rng: np.random.Generator, m: int, d: int, f: int):
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    r = jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32)
+    gu = jnp.asarray(rng.integers(-127, 128, (f, 2, d)), jnp.int8)
+    gs = jnp.asarray(rng.uniform(0.5, 2.0, (1, f, 2)) / 127 / np.sqrt(d), jnp.float32)
+    dw = jnp.asarray(rng.integers(-127, 128, (d, f)), jnp.int8)
+    ds = jnp.asarray(rng.uniform(0.5, 2.0, (1, d)) / 127, jnp.float32)
+    return x, r, gu, gs, dw, ds
+
+
+def truth(x, r, gu, gs, dw, ds) -> np.ndarray:
+    f64 = np.float64
+    g = np.asarray(x, f64) @ (np.asarray(gu, f64) * np.asarray(gs, f64)[0][:, :, None]).reshape(-1, x.shape[1]).T
+    g = g.reshape(x.shape[0], -1, 2) * np.asarray(r, f64)[:, None, None]
+    act = g[..., 0] / (1 + np.exp(-g[..., 0])) * g[..., 1]
+    return act @ (np.asarray(dw, f64) * np.asarray(ds, f64)[0][:, None]).T
+
+
+@pytest.mark.parametrize("d,f", [(4096, 14336), (512, 1792), (256, 1024)])
+def test_schedule_takes_every_item_once_gates_first(d, f):
+    for splits in mosaic_gpu.SPLITS:
+        if not mosaic_gpu._fits(d, f, splits):
+            continue
+        items, end = mosaic_gpu.schedule(d, f, splits, 132)
+        gates, downs = f // 64, (d // 128) * splits
+        assert sorted(i for row in items for i in row) == list(range(gates + downs))
+        for row in items:  # a program's gate items come before its down items (no program waits on itself)
+            kinds = [i >= gates for i in row]
+            assert kinds == sorted(kinds)
+        gate_cost = d // 256 + mosaic_gpu.ITEM_STEPS
+        down_cost = f // splits // 256 + mosaic_gpu.ITEM_STEPS
+        work = gates * gate_cost + downs * down_cost
+        # no better than perfect balance; no worse than balance plus one item of each kind (a down item waits
+        # at most for the gate items of its split, which end within one gate item of the gate phase)
+        assert work / 132 <= end <= work / 132 + gate_cost + down_cost
+
+
+def test_plan_pads_nothing_but_the_lists():
+    splits, table = mosaic_gpu.plan(4096, 14336)
+    assert table.shape[0] == 132 and splits in mosaic_gpu.SPLITS
+    filler = mosaic_gpu.filler(4096, 14336, splits)
+    assert filler == 14336 // 64 + 32 * splits  # one past the last item
+    assert sorted(table[table != filler].tolist()) == list(range(filler))
+
+
+def test_lowers_for_cuda_on_the_8b_shapes():
+    d, f = 4096, 14336
+    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((8, d), jnp.bfloat16), ((8,), jnp.float32),
+              ((f, 2, d), jnp.int8), ((1, f, 2), jnp.float32), ((d, f), jnp.int8), ((1, d), jnp.float32)]]
+    jax.jit(lambda *a: mosaic_gpu.quantized_mlp(*a, interpret=False)).trace(*shapes).lower(
+        lowering_platforms=("cuda",))
+
+
+def test_bad_inputs_name_the_values():
+    rng = np.random.default_rng(0)
+    x, r, gu, gs, dw, ds = random_mlp(rng, 2, 256, 1024)
+    with pytest.raises(ValueError, match=r"per-channel scales: gate_up \[1, 1024, 2\]"):
+        mosaic_gpu.quantized_mlp(x, r, gu, jnp.ones((2, 1024, 2)), dw, ds, interpret=False)
+    with pytest.raises(ValueError, match="up to 16 rows"):
+        mosaic_gpu.quantized_mlp(jnp.zeros((17, 256), jnp.bfloat16), jnp.ones(17), gu, gs, dw, ds, interpret=False)
+    with pytest.raises(NotImplementedError, match="no interpreted form"):
+        mosaic_gpu.quantized_mlp(x, r, gu, gs, dw, ds, interpret=True)
+
+
+def test_reference_matches_float64():
+    rng = np.random.default_rng(1)
+    args = random_mlp(rng, 3, 256, 1024)
+    want = truth(*args)
+    got = np.asarray(quantized_mlp_reference(*args))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,d,f,splits", [(1, 4096, 14336, None), (8, 4096, 14336, 4), (5, 512, 1792, None),
+                                          (16, 256, 1024, 4), (3, 4096, 14336, 14)])
+def test_kernel_matches_float64(m, d, f, splits):
+    rng = np.random.default_rng(m * d + f)
+    args = random_mlp(rng, m, d, f)
+    want = truth(*args)
+    fn = jax.jit(lambda *a: quantized_mlp(*a, backend="mosaic_gpu", splits=splits))
+    for _ in range(3):  # the semaphores are taken back to zero after each call
+        got = np.asarray(fn(*args))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
