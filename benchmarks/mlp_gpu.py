@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--rows", default="8,1")
     ap.add_argument("--splits", default="0,4,8,14", help="down splits of the fused kernel (0: its plan's choice)")
     ap.add_argument("--stages", default="3", help="ring depths of the fused kernel")
+    ap.add_argument("--profile-dir", default="", help="also trace the fused kernel's named regions per warpgroup "
+                                                        "(Mosaic GPU's profiler) into this directory, then exit")
     ap.add_argument("--out", default="benchmarks/results/mlp_gpu.jsonl")
     args = ap.parse_args()
     d, f = 4096, 14336
@@ -49,6 +51,16 @@ def main() -> None:
     gs = jax.random.uniform(k3, (1, f, 2), jnp.float32, 0.5, 2.0) / 127 / 64
     ds = jax.random.uniform(k4, (1, d), jnp.float32, 0.5, 2.0) / 127
     lines = []
+    if args.profile_dir:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        x = jax.random.normal(k5, (8, d), jnp.float32).astype(jnp.bfloat16)
+        params = plgpu.CompilerParams(profile_space=64, profile_dir=args.profile_dir)
+        for splits in (int(v) for v in args.splits.split(",")):
+            fn = jax.jit(lambda *a, s=splits: mosaic_gpu.quantized_mlp(*a, splits=s or None, compiler_params=params))
+            jax.block_until_ready(fn(x, jnp.ones(8, jnp.float32), gu, gs, dw, ds))
+        print(sorted(os.listdir(args.profile_dir)))
+        return
     for m in (int(v) for v in args.rows.split(",")):
         x = jax.random.normal(jax.random.fold_in(k5, m), (m, d), jnp.float32).astype(jnp.bfloat16)
         r = jnp.linspace(0.5, 1.5, m, dtype=jnp.float32)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -195,7 +196,8 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                 first = min(stages, down_steps)
                 for i in range(first):  # the weights go ahead of the split's activations
                     weights(i)
-                plgpu.semaphore_wait(ready.at[s], gates_per_split, decrement=False, memory_scope="gpu")
+                with jax.named_scope("wait_split"):
+                    plgpu.semaphore_wait(ready.at[s], gates_per_split, decrement=False, memory_scope="gpu")
                 for i in range(first):
                     activations(i)
 
@@ -260,6 +262,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
 
         def item_products(j, item, g0):  # item j of this program, its first step g0 of the ring
             @pl.when(item < gates)
+            @jax.named_scope("gate_item")
             def _gate():
                 total = product(g0, gate_steps)
                 plgpu.barrier_wait(dealt_bar.at[j])
@@ -270,6 +273,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                     plgpu.barrier_arrive(u_bar.at[j])
 
                 @pl.when(wg == 0)
+                @jax.named_scope("silu_store_signal")
                 def _gate_times_up():
                     g = scaled(total, j, 0)
                     plgpu.barrier_wait(u_bar.at[j])
@@ -283,6 +287,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                     plgpu.semaphore_signal(ready.at[lax.div(item, gates_per_split)], 1, memory_scope="gpu")
 
             @pl.when(jnp.logical_and(item >= gates, item < n_items))
+            @jax.named_scope("down_item")
             def _down():
                 s, t = lax.div(item - gates, tiles), lax.rem(item - gates, tiles)
                 total = product(g0, down_steps)
@@ -312,9 +317,10 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
 
 def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
                   down_scales: jax.Array, *, splits: int | None = None, stages: int = STAGES,
-                  interpret: bool | None = None) -> jax.Array:
+                  compiler_params: Any = None, interpret: bool | None = None) -> jax.Array:
     """See reference.quantized_mlp: float32 [m, d]. Per-channel scales only; m up to MAX_ROWS. `splits`: of f
-    for the down items (None: plan's choice)."""
+    for the down items (None: plan's choice). `compiler_params`: plgpu.CompilerParams, e.g. with a profile_dir,
+    where the kernel's named regions (gate product, SiLU and store, ...) are traced per warpgroup."""
     m, d = x.shape
     f = gu_values.shape[0]
     if gu_values.shape != (f, 2, d) or down_values.shape != (d, f):
@@ -356,7 +362,7 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # warpgroup 1's up sums stored
         ),
-        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
+        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg", compiler_params=compiler_params,
     )
     parts, _ = kernel(jnp.asarray(table), xp, rp, gu_values.reshape(f, 2 * d), gu_scales.reshape(2 * f).astype(jnp.float32),
                       down_values)
