@@ -44,7 +44,7 @@ from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms, mosaic_dty
 
 ROWS = 64  # output channels per compute warpgroup: the wgmma M
 ROW_MULTIPLE = 8  # activation rows are padded to a multiple of this (the wgmma N granule): callers may pad once
-NUM_SMS = backend_lib.NUM_SMS  # only sets how finely k is split
+NUM_SMS = backend_lib.NUM_SMS  # sets how finely k is split, and how many stream-K programs there are
 # What one wave of programs costs beyond its bytes, in bytes per SM: the pipeline's fill, about a
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
 WAVE_BYTES_PER_SM = 40_000
@@ -94,7 +94,8 @@ def supports(m: int, n: int, k: int, group_size: int, dtype: Any) -> bool:
 
 
 def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
-    """Shared memory of one program: the tile ring (16-bit activations, int8 weights), the scales, the output
+    """Shared memory of one program: the tile ring (16-bit activations, int8 weights), the scales (none for
+    stream-K, which applies them outside), the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
     ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
@@ -126,6 +127,9 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
     if bs.stream_k:
+        if bs.num_splits is not None:
+            raise ValueError(f"stream_k divides the work by units, not k splits: num_splits={bs.num_splits} must be "
+                             "left unset")
         if group != k or m > block_m:
             raise ValueError(f"stream_k takes per-channel scales (group={group} must be k={k}) and one tile of rows "
                              f"(m={m} must be at most block_m={block_m})")

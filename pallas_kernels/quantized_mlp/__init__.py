@@ -25,6 +25,8 @@ def supports(m: int, d: int, f: int, groups: int, backend: str = "auto") -> bool
 def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
                   down_scales: jax.Array, *, backend: str = "auto", **kwargs) -> jax.Array:
     """[m, d] float32; see reference.quantized_mlp."""
+    if backend not in ("auto", "reference", "mosaic_gpu"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'reference' or 'mosaic_gpu'")
     if backend == "reference" or (backend == "auto" and not supports(
             x.shape[0], x.shape[1], gu_values.shape[0], gu_scales.size // gu_values.shape[0] // 2)):
         return quantized_mlp_reference(x, r, gu_values, gu_scales, down_values, down_scales)

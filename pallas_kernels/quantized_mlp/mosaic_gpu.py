@@ -18,7 +18,8 @@ when every gate_up program has ended. Here one program an SM works through a sta
 No weight depends on an activation, so a producer streams weights while its program waits. The item
 lists come from a list schedule (`schedule`): gate items first, each to the program free earliest,
 then down items split by split, each to the program that can start it earliest; a program never
-waits on an item of its own list that comes later, and every program is resident (one an SM), so
+waits on an item of its own list that comes later, and every program is resident (one an SM; the wrapper
+refuses a device with fewer SMs than programs), so
 the waits end. The semaphores (grid-shared, from pl.get_global) outlive the call: after every
 program has finished, program 0 takes their counts back to zero.
 
@@ -58,7 +59,7 @@ ITEM_STEPS = 5
 
 def supports(m: int, d: int, f: int) -> bool:
     """Whether the kernel takes m rows, d = embed and f = ffn (per-channel scales only)."""
-    return m <= MAX_ROWS and d % BLOCK_K == 0 and d % 128 == 0 and any(_fits(d, f, s) for s in SPLITS)
+    return m <= MAX_ROWS and d % BLOCK_K == 0 and any(_fits(d, f, s) for s in SPLITS)
 
 
 def _fits(d: int, f: int, splits: int) -> bool:
@@ -97,9 +98,10 @@ def filler(d: int, f: int, splits: int) -> int:
 
 
 def plan(d: int, f: int, programs: int = NUM_SMS, splits: int | None = None) -> tuple[int, np.ndarray]:
-    """(splits, item table [programs, most items] int32, filler() past a program's items): `splits`, or the split whose
+    """(splits, the item table [programs, most items] int32 with filler() past a program's items), for `splits`
+    or else for the split whose
     schedule ends first."""
-    if splits is not None and not _fits(d, f, splits):
+    if splits is not None and (splits < 1 or not _fits(d, f, splits)):
         raise ValueError(f"splits={splits} must cut f={f} into multiples of {BLOCK_K}")
     best = splits or min((schedule(d, f, s, programs)[1], s) for s in SPLITS if _fits(d, f, s))[1]
     items, _ = schedule(d, f, best, programs)
@@ -220,7 +222,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
             plgpu.barrier_wait(free_bar.at[lax.rem(g, stages)])
             return carry
 
-        lax.fori_loop(jnp.maximum(g0 - stages, 0), g0, drain, None)
+        lax.fori_loop(g0 - jnp.minimum(g0, stages), g0, drain, None)  # (no sign-dependent comparison of g0)
 
     @pl.when(wg < 2)
     def _compute():
@@ -326,9 +328,13 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
     if gu_values.shape != (f, 2, d) or down_values.shape != (d, f):
         raise ValueError(f"expected gate_up values [f, 2, d={d}] and down values [d, f]; got {gu_values.shape} and "
                          f"{down_values.shape}")
-    if gu_scales.size != 2 * f or down_scales.size != d:
+    if gu_scales.shape != (1, f, 2) or down_scales.shape != (1, d):
         raise ValueError(f"the fused MLP takes per-channel scales: gate_up [1, {f}, 2] and down [1, {d}]; got "
                          f"{gu_scales.shape} and {down_scales.shape}")
+    if r.shape != (m,):
+        raise ValueError(f"r must hold one number a row: shape ({m},), got {r.shape}")
+    if not 2 <= stages <= 4:
+        raise ValueError(f"stages={stages} must be 2, 3 or 4 (the ring's shared memory at {MAX_ROWS} rows)")
     if not supports(m, d, f):
         raise ValueError(f"the fused MLP takes up to {MAX_ROWS} rows, d a multiple of {BLOCK_K} and f that some "
                          f"split in {SPLITS} cuts into multiples of {BLOCK_K}; got m={m}, d={d}, f={f}")
@@ -336,6 +342,11 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
         raise NotImplementedError("the fused MLP's grid-shared semaphores have no interpreted form: run it on a GPU")
     splits, table = plan(d, f, splits=splits)
     programs, slots = table.shape
+    device = jax.devices()[0]
+    if device.platform == "gpu" and getattr(device, "core_count", programs) < programs:
+        # a program that is never resident never signals its gate items: the down items waiting on them would hang
+        raise ValueError(f"the fused MLP runs {programs} programs that must all be resident at once; "
+                         f"{device.device_kind} has {device.core_count} SMs")
     table = np.pad(table, ((0, 0), (0, -slots % COPY_WORDS)), constant_values=filler(d, f, splits))
     m_pad = -(-m // ROW_MULTIPLE) * ROW_MULTIPLE
     dtype = mosaic_dtype(x.dtype)

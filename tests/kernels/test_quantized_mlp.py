@@ -72,6 +72,14 @@ def test_bad_inputs_name_the_values():
         mosaic_gpu.quantized_mlp(jnp.zeros((17, 256), jnp.bfloat16), jnp.ones(17), gu, gs, dw, ds, interpret=False)
     with pytest.raises(NotImplementedError, match="no interpreted form"):
         mosaic_gpu.quantized_mlp(x, r, gu, gs, dw, ds, interpret=True)
+    with pytest.raises(ValueError, match=r"r must hold one number a row: shape \(2,\), got \(3,\)"):
+        mosaic_gpu.quantized_mlp(x, jnp.ones(3), gu, gs, dw, ds, interpret=False)
+    with pytest.raises(ValueError, match="stages=5 must be 2, 3 or 4"):
+        mosaic_gpu.quantized_mlp(x, r, gu, gs, dw, ds, stages=5, interpret=False)
+    with pytest.raises(ValueError, match="splits=0 must cut f=1024"):
+        mosaic_gpu.plan(256, 1024, splits=0)
+    with pytest.raises(ValueError, match="backend='mosaic_tpu' must be 'auto', 'reference' or 'mosaic_gpu'"):
+        quantized_mlp(x, r, gu, gs, dw, ds, backend="mosaic_tpu")
 
 
 def test_reference_matches_float64():
@@ -87,9 +95,9 @@ def test_reference_matches_float64():
                                           (16, 256, 1024, 4), (3, 4096, 14336, 14)])
 def test_kernel_matches_float64(m, d, f, splits):
     rng = np.random.default_rng(m * d + f)
-    args = random_mlp(rng, m, d, f)
-    want = truth(*args)
     fn = jax.jit(lambda *a: quantized_mlp(*a, backend="mosaic_gpu", splits=splits))
-    for _ in range(3):  # the semaphores are taken back to zero after each call
+    for _ in range(3):  # new rows each call: a semaphore not taken back to zero would let a call read stale act
+        args = random_mlp(rng, m, d, f)
+        want = truth(*args)
         got = np.asarray(fn(*args))
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
