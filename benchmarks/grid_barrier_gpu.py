@@ -28,6 +28,7 @@ from benchmarks.common import record  # noqa: E402
 from benchmarks.decode_profile_gpu import busy_ns, device_profile  # noqa: E402
 from benchmarks.kernels_gpu import kernel_seconds  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
+from pallas_kernels.quantized_mlp.mosaic_gpu import depart  # noqa: E402
 
 
 def barrier_kernel(programs: int, phases: int):
@@ -37,20 +38,12 @@ def barrier_kernel(programs: int, phases: int):
     def body(x_ref, o_ref, row):
         # semaphores shared by the whole grid (scratch_types would give each program its own)
         arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((phases,)))
-        departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         p = jax.lax.axis_index("p")
         for phase in range(phases):
             plgpu.semaphore_signal(arrived.at[phase], 1, memory_scope="gpu")
             plgpu.semaphore_wait(arrived.at[phase], programs, decrement=False, memory_scope="gpu")
-        # get_global's semaphores outlive the call: once every program has passed every phase, program 0 takes
-        # the counts back to 0 for the next call
-        plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
-
-        @pl.when(p == 0)
-        def _():
-            plgpu.semaphore_wait(departed, programs, memory_scope="gpu")
-            for phase in range(phases):
-                plgpu.semaphore_signal(arrived.at[phase], -programs, memory_scope="gpu")
+        # once every program has passed every phase, the counts go back to 0 for the next call
+        depart(p, programs, [(arrived.at[phase], programs) for phase in range(phases)])
 
         row[...] = jnp.full((128,), phases, jnp.int32)
         plgpu.commit_smem()

@@ -185,6 +185,79 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
     return best
 
 
+def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool) -> jax.Array:
+    """[64, block_m] float32: int8 weight rows `rows` times the activations, over ring steps [first, last).
+
+    w_smem [stages, block_n, block_k] int8 and x_smem [stages, block_m, block_k] (both tiled + swizzled) are the
+    ring; step g is in slot slot_of(g), waited on tile_bar and handed back on free_bar. Each 128-input chunk of
+    the weight rows is loaded in the layout made for upcasting 8-bit data (32-bit shared-memory reads, 4 values
+    each), converted to bfloat16 (exact: |v| <= 127), and moved by one warp shuffle into the WGMMA layout that
+    A-in-registers needs; B is the activation tile read K-major (transposed), which the 16-bit wgmma takes without
+    a transpose of x in memory. A step of 256 inputs is two 128-byte swizzle tiles a row, a wgmma each."""
+    block_m, block_k = x_smem.shape[1], x_smem.shape[2]
+    chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+
+    def weight_tile(slot, cols):
+        w = with_layout(w_smem.at[slot, rows, cols][...], plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
+        return with_layout(w.astype(jnp.bfloat16), plgpu.Layout.WGMMA, interpreted=interpreted)
+
+    if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
+        def dot_step(g, acc):
+            slot = slot_of(g)
+            plgpu.barrier_wait(tile_bar.at[slot])
+            for cols in chunks:
+                acc = acc + lax.dot_general(weight_tile(slot, cols), x_smem.at[slot, :, cols][...], _CONTRACT_K,
+                                            preferred_element_type=jnp.float32)
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return acc
+
+        return lax.fori_loop(first, last, dot_step, jnp.zeros((ROWS, block_m), jnp.float32))
+
+    def accumulate(acc_ref):
+        def step(g, carry):
+            slot = slot_of(g)
+            plgpu.barrier_wait(tile_bar.at[slot])
+            # every chunk is converted before the first product is issued, so no register of an issued wgmma
+            # is written while it runs
+            tiles = [weight_tile(slot, cols) for cols in chunks]
+            for tile, cols in zip(tiles, chunks):
+                plgpu.wgmma(acc_ref, tile, x_smem.at[slot, :, cols].transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # the tile is read before its slot is handed back to the producer
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return carry
+
+        lax.fori_loop(first, last, step, None)
+        return acc_ref[...]
+
+    return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
+
+
+def store_transposed(tile: jax.Array, ref, *, interpreted: bool) -> None:
+    """outᵀ's [64, block_m] tile in registers -> ref [block_m, 64] (a ref from .at[...]) in ref's dtype: the
+    registers trade pairs (one shuffle) into the transposed layout, whose stores into a transposed view of ref
+    write out's rows (the interpreter, which has no such view, transposes the value)."""
+    if interpreted:
+        ref[...] = tile.T.astype(ref.dtype)
+    else:
+        plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(tile.astype(ref.dtype),
+                                                                  plgpu.Layout.WGMMA_TRANSPOSED)
+
+
+def drain(free_bar, stages: int, first, last) -> None:
+    """Waits for the hand-back of ring steps [first, last) on free_bar: every completion of a barrier is awaited
+    before a kernel ends."""
+    def wait(g, carry):
+        plgpu.barrier_wait(free_bar.at[lax.rem(g, stages)])
+        return carry
+
+    lax.fori_loop(first, last, wait, None)
+
+
+def sum_slots(parts: jax.Array, count: int) -> jax.Array:
+    """parts[0] + ... + parts[count - 1]: a sum of slices, not a reduction, so XLA fuses it into the consumer."""
+    return functools.reduce(operator.add, (parts[i] for i in range(count)))
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
             bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
     # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
@@ -219,79 +292,29 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             return carry
 
         lax.fori_loop(0, steps, step, None)
-
-        def drain(j, carry):  # every completion of a barrier is awaited before the kernel ends
-            plgpu.barrier_wait(free_bar.at[lax.rem(j, stages)])
-            return carry
-
-        lax.fori_loop(max(steps - stages, 0), steps, drain, None)
+        drain(free_bar, stages, max(steps - stages, 0), steps)
 
     @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
-
-        def weight_tile(slot, cols=slice(None)):
-            # int8 rows of this warpgroup -> bfloat16 registers in the wgmma A layout. The load uses the
-            # layout made for upcasting 8-bit data (32-bit shared-memory reads, 4 values each); one warp
-            # shuffle then moves the converted values into the WGMMA layout that A-in-registers needs.
-            w = w_smem.at[slot, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS), cols][...]
-            w = with_layout(w, plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
-            return wgmma(w.astype(jnp.bfloat16))
-
-        # A step of 256 inputs is two 128-byte swizzle tiles a row: a wgmma each, with the matching activations
-        chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+        rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's weight rows
 
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
-            if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
-                def step(j, acc):
-                    slot = lax.rem(j, stages)
-                    plgpu.barrier_wait(tile_bar.at[slot])
-                    for cols in chunks:
-                        acc = acc + lax.dot_general(weight_tile(slot, cols), x_smem.at[slot, :, cols][...], _CONTRACT_K,
-                                                    preferred_element_type=jnp.float32)
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return acc
-
-                return lax.fori_loop(first, first + segment, step, jnp.zeros((ROWS, block_m), jnp.float32))
-
-            def accumulate(acc_ref):
-                def step(j, carry):
-                    slot = lax.rem(j, stages)
-                    plgpu.barrier_wait(tile_bar.at[slot])
-                    # B = the activation tile [block_m, block_k] read K-major (transposed): the 16-bit
-                    # wgmma takes either major order, and this one needs no transpose of x in memory.
-                    # Every chunk is converted before the first product is issued, so no register of an
-                    # issued wgmma is written while it runs.
-                    tiles = [weight_tile(slot, cols) for cols in chunks]
-                    for tile, cols in zip(tiles, chunks):
-                        plgpu.wgmma(acc_ref, tile, x_smem.at[slot, :, cols].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)  # the tile is read before its slot is handed back to the producer
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return carry
-
-                lax.fori_loop(first, first + segment, step, None)
-                return acc_ref[...]
-
-            return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
+            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, first + segment,
+                                lambda j: lax.rem(j, stages), interpreted=interpreted)
 
         plgpu.barrier_wait(s_bar)
 
         def scaled_segment(seg, total):
             part = segment_product(seg * segment)
             g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
-            scale = row_vec(s_smem.at[g, pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)][...])
+            scale = row_vec(s_smem.at[g, rows][...])
             return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
         total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
-        # outᵀ's tile back to out [block_m, 64]: the registers trade pairs (one shuffle) into the transposed
-        # layout, whose stores into a transposed view of o_smem write out's rows.
-        if interpreted:  # the interpreter has no transposed view to store through
-            o_smem.at[wg][...] = total.T.astype(o_smem.dtype)
-        else:
-            total = plgpu.layout_cast(total.astype(o_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.transpose_ref(o_smem.at[wg], (1, 0))[...] = total
+        store_transposed(total, o_smem.at[wg], interpreted=interpreted)  # out [block_m, 64], no transpose after
         plgpu.commit_smem()
         cols = pl.ds(n0 + wg * ROWS, ROWS)
         dst = o_ref.at[split, pl.ds(m0, block_m), cols] if partial else o_ref.at[pl.ds(m0, block_m), cols]
@@ -348,61 +371,19 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             return carry
 
         lax.fori_loop(begin, end, step, None)
-
-        def drain(g, carry):  # every completion of a barrier is awaited before the kernel ends
-            plgpu.barrier_wait(free_bar.at[lax.rem(g, stages)])
-            return carry
-
-        lax.fori_loop(jnp.maximum(end - begin - stages, 0), end - begin, drain, None)
+        drain(free_bar, stages, jnp.maximum(end - begin - stages, 0), end - begin)
 
     @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
-        chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
-
-        def weight_tile(slot, cols):  # as in _kernel: int8 rows -> bfloat16 registers in the wgmma A layout
-            w = with_layout(w_smem.at[slot, rows, cols][...], plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
-            return wgmma(w.astype(jnp.bfloat16))
-
-        def store_tile(tile, ref):  # outᵀ's [64, block_m] tile -> ref [block_m, 64] (see _kernel)
-            if interpreted:
-                ref[...] = tile.T
-            else:
-                plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(tile, plgpu.Layout.WGMMA_TRANSPOSED)
-
-        store_tile(wgmma(jnp.zeros((ROWS, block_m), jnp.float32)), z_smem.at[wg])
+        zeros = with_layout(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=interpreted)
+        store_transposed(zeros, z_smem.at[wg], interpreted=interpreted)
         plgpu.commit_smem()
 
         def product(first, last):  # [64, block_m] f32 over units [first, last) of the ring
-            if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
-                def step(u, acc):
-                    slot = lax.rem(u - begin, stages)
-                    plgpu.barrier_wait(tile_bar.at[slot])
-                    for cols in chunks:
-                        acc = acc + lax.dot_general(weight_tile(slot, cols), x_smem.at[slot, :, cols][...],
-                                                    _CONTRACT_K, preferred_element_type=jnp.float32)
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return acc
-
-                return lax.fori_loop(first, last, step, jnp.zeros((ROWS, block_m), jnp.float32))
-
-            def accumulate(acc_ref):
-                def step(u, carry):
-                    slot = lax.rem(u - begin, stages)
-                    plgpu.barrier_wait(tile_bar.at[slot])
-                    tiles = [weight_tile(slot, cols) for cols in chunks]  # all converted before any wgmma is issued
-                    for tile, cols in zip(tiles, chunks):
-                        plgpu.wgmma(acc_ref, tile, x_smem.at[slot, :, cols].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return carry
-
-                lax.fori_loop(first, last, step, None)
-                return acc_ref[...]
-
-            return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
+            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last,
+                                lambda u: lax.rem(u - begin, stages), interpreted=interpreted)
 
         first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
         def fragment(tile):  # the piece of `tile` in this program's run, if any
@@ -415,7 +396,7 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
                 owner = lax.div((tile * steps + 1) * programs + total - 1, total) - 1
                 piece = p - owner
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous fragment's tile has left o_smem
-                store_tile(total_tile, o_smem.at[wg])
+                store_transposed(total_tile, o_smem.at[wg], interpreted=interpreted)
                 plgpu.commit_smem()
                 cols = pl.ds(tile * block_n + wg * ROWS, ROWS)
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[piece, :, cols])
@@ -473,8 +454,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             ),
             grid=(bs.programs,), grid_names=("p",), num_threads=compute_wgs + 1, thread_name="wg", interpret=params,
         )
-        parts = kernel(xp, values)
-        out = functools.reduce(operator.add, (parts[i] for i in range(slots)))  # elementwise: fuses into the consumer
+        out = sum_slots(kernel(xp, values), slots)
         return (out[:m] * scales[0].astype(jnp.float32)).astype(out_dtype)
     o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
     out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
@@ -497,6 +477,6 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
         interpret=params,
     )
     out = kernel(xp, values, scales.astype(jnp.float32))
-    if partial:  # a sum of slices, not a reduction: elementwise, it fuses into whatever consumes the product
-        out = functools.reduce(operator.add, (out[i] for i in range(splits)))
+    if partial:
+        out = sum_slots(out, splits)
     return out[:m].astype(out_dtype)

@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import backend as backend_lib
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms, mosaic_dtype
-from pallas_kernels.quantized_matmul.mosaic_gpu import ROW_MULTIPLE, ROWS
+from pallas_kernels.quantized_matmul.mosaic_gpu import ROW_MULTIPLE, ROWS, drain, ring_product, store_transposed, sum_slots
 
 NUM_SMS = backend_lib.NUM_SMS
 BLOCK_K = 256  # inputs a pipeline step: each weight row read 256 contiguous bytes at a time
@@ -63,7 +63,7 @@ def supports(m: int, d: int, f: int) -> bool:
 
 
 def _fits(d: int, f: int, splits: int) -> bool:
-    return f % splits == 0 and (f // splits) % BLOCK_K == 0 and (f // splits) % ROWS == 0
+    return f % splits == 0 and (f // splits) % BLOCK_K == 0
 
 
 def schedule(d: int, f: int, splits: int, programs: int) -> tuple[list[list[int]], float]:
@@ -90,6 +90,20 @@ def schedule(d: int, f: int, splits: int, programs: int) -> tuple[list[list[int]
             clock[p] = max(clock[p], ready[s]) + down_steps
             items[p].append(gates + s * tiles + t)
     return items, max(clock.values())
+
+
+def depart(p, programs: int, counts) -> None:
+    """The end of a program whose grid shares semaphores (pl.get_global): they outlive the call, so once every
+    program has signalled its departure, program 0 takes each (semaphore, count) of `counts` back by count (to
+    zero, where every program is done with it) and the departures back to zero."""
+    departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
+
+    @pl.when(p == 0)
+    def _():
+        plgpu.semaphore_wait(departed, programs, memory_scope="gpu")
+        for semaphore, count in counts:
+            plgpu.semaphore_signal(semaphore, -count, memory_scope="gpu")
 
 
 def filler(d: int, f: int, splits: int) -> int:
@@ -123,9 +137,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
     gate_steps, split_k = d // BLOCK_K, f // splits
     down_steps, gates_per_split = split_k // BLOCK_K, gates // splits
     ready = pl.get_global(plgpu.SemaphoreType.REGULAR((splits,)))  # gate items done, by down split
-    departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
-
-    n_items = gates + tiles * splits  # an item number past the last: no item (the table's filler)
+    n_items = filler(d, f, splits)  # an item number past the last: no item
 
     def steps_of(item):
         return jnp.where(item < gates, gate_steps, jnp.where(item < n_items, down_steps, 0))
@@ -218,11 +230,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
             item_copies(j, item, g0)
             g0 = g0 + steps_of(item)
 
-        def drain(g, carry):  # every completion of a barrier is awaited before the kernel ends
-            plgpu.barrier_wait(free_bar.at[lax.rem(g, stages)])
-            return carry
-
-        lax.fori_loop(g0 - jnp.minimum(g0, stages), g0, drain, None)  # (no sign-dependent comparison of g0)
+        drain(free_bar, stages, g0 - jnp.minimum(g0, stages), g0)  # (no sign-dependent comparison of g0)
 
     @pl.when(wg < 2)
     def _compute():
@@ -231,25 +239,8 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
 
         def product(g0, steps):  # [64, block_m] f32: this warpgroup's weight rows times the ring's activations
-            def accumulate(acc_ref):
-                def step(g, carry):
-                    slot = lax.rem(g, stages)
-                    plgpu.barrier_wait(tile_bar.at[slot])
-                    tiles_ = []
-                    for c in range(0, BLOCK_K, 128):  # both halves converted before either wgmma is issued
-                        w = plgpu.layout_cast(w_smem.at[slot, rows, pl.ds(c, 128)][...],
-                                              plgpu.Layout.WGMMA_UPCAST_2X)
-                        tiles_.append(plgpu.layout_cast(w.astype(jnp.bfloat16), plgpu.Layout.WGMMA))
-                    for c, w in zip(range(0, BLOCK_K, 128), tiles_):
-                        plgpu.wgmma(acc_ref, w, x_smem.at[slot, :, pl.ds(c, 128)].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return carry
-
-                lax.fori_loop(g0, g0 + steps, step, None)
-                return acc_ref[...]
-
-            return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
+            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, g0, g0 + steps,
+                                lambda g: lax.rem(g, stages), interpreted=False)
 
         r = plgpu.layout_cast(r_smem.at[pl.ds(0, block_m)][...], plgpu.Layout.WGMMA.reduce(0))
         r = lax.broadcast_in_dim(r, (ROWS, block_m), [1])
@@ -257,10 +248,6 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
         def scaled(total, j, half):  # the sums times their channels' scales and the rows' r
             scale = plgpu.layout_cast(s_rows.at[j, half][...], plgpu.Layout.WGMMA.reduce(1))
             return total * lax.broadcast_in_dim(scale, total.shape, [0]) * r
-
-        def store_transposed(tile, ref):  # [64, block_m] registers -> ref [block_m, 64]
-            plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(tile.astype(ref.dtype),
-                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
 
         def item_products(j, item, g0):  # item j of this program, its first step g0 of the ring
             @pl.when(item < gates)
@@ -282,7 +269,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                     u = plgpu.layout_cast(u_smem.at[j][...], plgpu.Layout.WGMMA)
                     act = g / (1.0 + jnp.exp(-g)) * u
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # a_smem's last tile has left
-                    store_transposed(act, a_smem.at[0])
+                    store_transposed(act, a_smem.at[0], interpreted=False)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(a_smem.at[0], act_ref.at[:, pl.ds(item * ROWS, ROWS)])
                     plgpu.wait_smem_to_gmem(0)  # written to global memory before the split hears of it
@@ -294,7 +281,7 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                 s, t = lax.div(item - gates, tiles), lax.rem(item - gates, tiles)
                 total = product(g0, down_steps)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem's last tile has left
-                store_transposed(total, o_smem.at[wg])
+                store_transposed(total, o_smem.at[wg], interpreted=False)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[s, :, pl.ds(t * 128 + wg * ROWS, ROWS)])
 
@@ -307,14 +294,8 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
         plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 0)
-        def _depart():  # program 0 takes the semaphores back to zero once every program is done with them
-            plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
-
-            @pl.when(p == 0)
-            def _():
-                plgpu.semaphore_wait(departed, programs, memory_scope="gpu")
-                for s in range(splits):
-                    plgpu.semaphore_signal(ready.at[s], -gates_per_split, memory_scope="gpu")
+        def _depart():
+            depart(p, programs, [(ready.at[s], gates_per_split) for s in range(splits)])
 
 
 def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
@@ -377,7 +358,4 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
     )
     parts, _ = kernel(jnp.asarray(table), xp, rp, gu_values.reshape(f, 2 * d), gu_scales.reshape(2 * f).astype(jnp.float32),
                       down_values)
-    out = parts[0]
-    for s in range(1, splits):  # a sum of slices: elementwise, it fuses into the consumer (the residual add)
-        out = out + parts[s]
-    return out[:m] * down_scales.reshape(d).astype(jnp.float32)
+    return sum_slots(parts, splits)[:m] * down_scales.reshape(d).astype(jnp.float32)
