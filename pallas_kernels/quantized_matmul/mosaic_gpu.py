@@ -57,6 +57,9 @@ WIDE_STEP_ROWS = 16  # up to this many activation rows, a step takes 256 inputs 
 STREAM_K_IDLE = {"H200": 0.1}
 SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
+# A measuring instrument, never set by the library: the compute warpgroups hand every slot back untouched, so a
+# program streams its tiles with no conversion or product (benchmarks/sm_rate_gpu.py: the copies' own rate)
+_COPIES_ONLY = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,16 +193,21 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
 
     w_smem [stages, block_n, block_k] int8 and x_smem [stages, block_m, block_k] (both tiled + swizzled) are the
     ring; step g is in slot slot_of(g), waited on tile_bar and handed back on free_bar. Each 128-input chunk of
-    the weight rows is loaded in the layout made for upcasting 8-bit data (32-bit shared-memory reads, 4 values
-    each), converted to bfloat16 (exact: |v| <= 127), and moved by one warp shuffle into the WGMMA layout that
-    A-in-registers needs; B is the activation tile read K-major (transposed), which the 16-bit wgmma takes without
-    a transpose of x in memory. A step of 256 inputs is two 128-byte swizzle tiles a row, a wgmma each."""
+    the weight rows is loaded straight into the WGMMA layout that A-in-registers needs (16-bit shared-memory reads,
+    2 values each) and converted to bfloat16 there (exact: |v| <= 127); B is the activation tile read K-major
+    (transposed), which the 16-bit wgmma takes without a transpose of x in memory. A step of 256 inputs is two
+    128-byte swizzle tiles a row, a wgmma each.
+
+    The conversion is what holds a program to ~30 GB/s (H100 and H200 alike; the copies alone stream ~100 GB/s
+    a program: benchmarks/sm_rate_gpu.py). Loading in the layout made for upcasting 8-bit data (32-bit reads,
+    4 values each) and moving the converted values into the WGMMA layout by a warp shuffle was slower: products of
+    a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
     chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
 
     def weight_tile(slot, cols):
-        w = with_layout(w_smem.at[slot, rows, cols][...], plgpu.Layout.WGMMA_UPCAST_2X, interpreted=interpreted)
-        return with_layout(w.astype(jnp.bfloat16), plgpu.Layout.WGMMA, interpreted=interpreted)
+        w = with_layout(w_smem.at[slot, rows, cols][...], plgpu.Layout.WGMMA, interpreted=interpreted)
+        return w.astype(jnp.bfloat16)
 
     if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
         def dot_step(g, acc):
@@ -217,6 +225,9 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
         def step(g, carry):
             slot = slot_of(g)
             plgpu.barrier_wait(tile_bar.at[slot])
+            if _COPIES_ONLY:  # (a measurement: benchmarks/sm_rate_gpu.py)
+                plgpu.barrier_arrive(free_bar.at[slot])
+                return carry
             # every chunk is converted before the first product is issued, so no register of an issued wgmma
             # is written while it runs
             tiles = [weight_tile(slot, cols) for cols in chunks]
