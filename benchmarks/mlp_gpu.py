@@ -1,4 +1,5 @@
-"""The fused int8 MLP kernel against today's path (gate_up kernel, SiLU·up in XLA, down kernel), on the GPU.
+"""The int8 MLP on the GPU: the separate kernels (gate_up, SiLU·up in XLA, down), gate_up_silu + down (the model's
+path), and the fused kernel.
 
 8B shapes (d 4096, f 14336), random int8 weights, decode rows (padded to 8 as the step passes them).
 Device time from a profile (all kernels of a call, no launch gaps), checked against float64 first.
@@ -30,6 +31,12 @@ def separate_kernels(x, r, gu, gs, dw, ds):
     g = quantized_matmul(x, gu.reshape(2 * f, d), gs.reshape(1, 2 * f), backend="mosaic_gpu")
     g = (g.reshape(m, f, 2) * r[:, None, None]).astype(x.dtype)
     act = jax.nn.silu(g[..., 0]) * g[..., 1]
+    return quantized_matmul(act, dw, ds, backend="mosaic_gpu", out_dtype=jnp.float32)
+
+
+def gate_up_silu_then_down(x, r, gu, gs, dw, ds):
+    """What the model runs now: gate_up with SiLU·up in its epilogue (one kernel), then the down kernel."""
+    act = mosaic_gpu.gate_up_silu(x, r, gu, gs)
     return quantized_matmul(act, dw, ds, backend="mosaic_gpu", out_dtype=jnp.float32)
 
 
@@ -68,6 +75,14 @@ def main() -> None:
         want = np.asarray(jax.jit(separate_kernels)(*inputs), np.float64)
         base = device_seconds(jax.jit(separate_kernels), inputs)
         lines.append(f"rows {m}: separate kernels {base * 1e6:.1f} us")
+        fn = jax.jit(gate_up_silu_then_down)
+        err = float(np.linalg.norm(np.asarray(fn(*inputs), np.float64) - want) / np.linalg.norm(want))
+        t = device_seconds(fn, inputs)
+        record(args.out, "int8_mlp_gate_up_silu_device", {"d": d, "f": f, "m": m, "error_vs_separate": err,
+                                                          "session": 20},
+               "us", t * 1e6, "us", "separate kernels", base * 1e6, higher_is_better=False)
+        lines.append(f"rows {m}: gate_up_silu + down {t * 1e6:.1f} us ({base / t:.3f}x), error vs separate {err:.2e}")
+        print(lines[-1], flush=True)
         for splits, stages in ((int(a), int(b)) for a in args.splits.split(",") for b in args.stages.split(",")):
             fn = jax.jit(lambda *a, s=splits, n=stages: mosaic_gpu.quantized_mlp(*a, splits=s or None, stages=n))
             got = np.asarray(fn(*inputs), np.float64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.quantized_mlp.reference import gate_up_silu as gate_up_silu_reference
 from pallas_kernels.quantized_mlp.reference import quantized_mlp as quantized_mlp_reference
 
 
@@ -35,4 +36,28 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
     return mosaic_gpu.quantized_mlp(x, r, gu_values, gu_scales, down_values, down_scales, **kwargs)
 
 
-__all__ = ["quantized_mlp", "quantized_mlp_reference", "supports"]
+def gate_up_silu(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, *, backend: str = "auto",
+                 **kwargs) -> jax.Array:
+    """act = silu(r · gate(x)) · r · up(x) [m, f] in x's dtype; see reference.gate_up_silu. On a GPU for the shapes
+    it takes, one Mosaic GPU kernel (the fused MLP's gate items alone: SiLU·up in gate_up's epilogue); else XLA."""
+    if backend not in ("auto", "reference", "mosaic_gpu"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'reference' or 'mosaic_gpu'")
+    if backend == "reference" or (backend == "auto" and not supports_gate_up_silu(
+            x.shape[0], x.shape[1], gu_values.shape[0], gu_scales.size // gu_values.shape[0] // 2)):
+        return gate_up_silu_reference(x, r, gu_values, gu_scales)
+    from pallas_kernels.quantized_mlp import mosaic_gpu
+
+    return mosaic_gpu.gate_up_silu(x, r, gu_values, gu_scales, **kwargs)
+
+
+def supports_gate_up_silu(m: int, d: int, f: int, groups: int, backend: str = "auto") -> bool:
+    """Whether `backend` runs gate_up_silu as one kernel (per-channel scales, decode's few rows, a GPU)."""
+    if backend_lib.resolve(backend) != "mosaic_gpu" or groups != 1 or backend_lib.interpreted("mosaic_gpu"):
+        return False
+    from pallas_kernels.quantized_mlp import mosaic_gpu
+
+    return mosaic_gpu.supports_gate_up_silu(m, d, f)
+
+
+__all__ = ["gate_up_silu", "gate_up_silu_reference", "quantized_mlp", "quantized_mlp_reference", "supports",
+           "supports_gate_up_silu"]

@@ -73,7 +73,7 @@ def schedule(d: int, f: int, splits: int, programs: int) -> tuple[list[list[int]
     schedule: gate items to the program free first, then down items split by split, each to the program that
     can start it first (when the program is free and the split's gate items are done)."""
     gates, tiles = f // ROWS, d // 128
-    gate_steps, down_steps = d // BLOCK_K + ITEM_STEPS, f // splits // BLOCK_K + ITEM_STEPS
+    gate_steps = d // BLOCK_K + ITEM_STEPS
     free = [(0.0, p) for p in range(programs)]
     items: list[list[int]] = [[] for _ in range(programs)]
     done = np.zeros(gates)
@@ -82,6 +82,9 @@ def schedule(d: int, f: int, splits: int, programs: int) -> tuple[list[list[int]
         done[i] = t + gate_steps
         items[p].append(i)
         heapq.heappush(free, (done[i], p))
+    if not splits:  # gate_up and SiLU only
+        return items, max(t for t, _ in free)
+    down_steps = f // splits // BLOCK_K + ITEM_STEPS
     ready = done.reshape(splits, gates // splits).max(axis=1)
     clock = {p: t for t, p in free}
     for s in range(splits):
@@ -113,11 +116,10 @@ def filler(d: int, f: int, splits: int) -> int:
 
 def plan(d: int, f: int, programs: int = NUM_SMS, splits: int | None = None) -> tuple[int, np.ndarray]:
     """(splits, the item table [programs, most items] int32 with filler() past a program's items), for `splits`
-    or else for the split whose
-    schedule ends first."""
-    if splits is not None and (splits < 1 or not _fits(d, f, splits)):
-        raise ValueError(f"splits={splits} must cut f={f} into multiples of {BLOCK_K}")
-    best = splits or min((schedule(d, f, s, programs)[1], s) for s in SPLITS if _fits(d, f, s))[1]
+    (0: gate items only) or else for the split whose schedule ends first."""
+    if splits is not None and splits != 0 and (splits < 1 or not _fits(d, f, splits)):
+        raise ValueError(f"splits={splits} must cut f={f} into multiples of {BLOCK_K} (or be 0: gate_up and SiLU only)")
+    best = splits if splits is not None else min((schedule(d, f, s, programs)[1], s) for s in SPLITS if _fits(d, f, s))[1]
     items, _ = schedule(d, f, best, programs)
     table = np.full((programs, max(map(len, items))), filler(d, f, best), np.int32)
     for p, row in enumerate(items):
@@ -134,9 +136,10 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
     stages, block_m = x_smem.shape[0], x_smem.shape[1]
     gates, tiles = f // ROWS, d // 128
-    gate_steps, split_k = d // BLOCK_K, f // splits
-    down_steps, gates_per_split = split_k // BLOCK_K, gates // splits
-    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((splits,)))  # gate items done, by down split
+    gate_steps = d // BLOCK_K
+    split_k = f // splits if splits else 0  # splits == 0: gate items only (dw_ref and o_ref are None)
+    down_steps, gates_per_split = split_k // BLOCK_K, gates // max(splits, 1)
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((splits,))) if splits else None  # gate items done, by split
     n_items = filler(d, f, splits)  # an item number past the last: no item
 
     def steps_of(item):
@@ -190,6 +193,9 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                 lax.fori_loop(0, ROWS, deal, None)
                 plgpu.barrier_arrive(dealt_bar.at[j])
                 lax.fori_loop(first, gate_steps, step, None)
+
+            if not splits:
+                return
 
             @pl.when(jnp.logical_and(item >= gates, item < n_items))
             def _down():
@@ -272,8 +278,12 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
                     store_transposed(act, a_smem.at[0], interpreted=False)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(a_smem.at[0], act_ref.at[:, pl.ds(item * ROWS, ROWS)])
-                    plgpu.wait_smem_to_gmem(0)  # written to global memory before the split hears of it
-                    plgpu.semaphore_signal(ready.at[lax.div(item, gates_per_split)], 1, memory_scope="gpu")
+                    if splits:
+                        plgpu.wait_smem_to_gmem(0)  # written to global memory before the split hears of it
+                        plgpu.semaphore_signal(ready.at[lax.div(item, gates_per_split)], 1, memory_scope="gpu")
+
+            if not splits:
+                return
 
             @pl.when(jnp.logical_and(item >= gates, item < n_items))
             @jax.named_scope("down_item")
@@ -293,38 +303,36 @@ def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
 
         plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 0)
-        def _depart():
-            depart(p, programs, [(ready.at[s], gates_per_split) for s in range(splits)])
+        if splits:
+            @pl.when(wg == 0)
+            def _depart():
+                depart(p, programs, [(ready.at[s], gates_per_split) for s in range(splits)])
 
 
-def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
-                  down_scales: jax.Array, *, splits: int | None = None, stages: int = STAGES,
-                  compiler_params: Any = None, interpret: bool | None = None) -> jax.Array:
-    """See reference.quantized_mlp: float32 [m, d]. Per-channel scales only; m up to MAX_ROWS. `splits`: of f
-    for the down items (None: plan's choice). `compiler_params`: plgpu.CompilerParams, e.g. with a profile_dir,
-    where the kernel's named regions (gate product, SiLU and store, ...) are traced per warpgroup."""
+def _check(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, stages: int, interpret) -> None:
     m, d = x.shape
     f = gu_values.shape[0]
-    if gu_values.shape != (f, 2, d) or down_values.shape != (d, f):
-        raise ValueError(f"expected gate_up values [f, 2, d={d}] and down values [d, f]; got {gu_values.shape} and "
-                         f"{down_values.shape}")
-    if gu_scales.shape != (1, f, 2) or down_scales.shape != (1, d):
-        raise ValueError(f"the fused MLP takes per-channel scales: gate_up [1, {f}, 2] and down [1, {d}]; got "
-                         f"{gu_scales.shape} and {down_scales.shape}")
+    if gu_values.shape != (f, 2, d):
+        raise ValueError(f"expected gate_up values [f, 2, d={d}]; got {gu_values.shape}")
+    if gu_scales.shape != (1, f, 2):
+        raise ValueError(f"the kernel takes per-channel scales: gate_up [1, {f}, 2]; got {gu_scales.shape}")
     if r.shape != (m,):
         raise ValueError(f"r must hold one number a row: shape ({m},), got {r.shape}")
     if not 2 <= stages <= 4:
         raise ValueError(f"stages={stages} must be 2, 3 or 4 (the ring's shared memory at {MAX_ROWS} rows)")
-    if not supports(m, d, f):
-        raise ValueError(f"the fused MLP takes up to {MAX_ROWS} rows, d a multiple of {BLOCK_K} and f that some "
-                         f"split in {SPLITS} cuts into multiples of {BLOCK_K}; got m={m}, d={d}, f={f}")
     if backend_lib.interpret_params("mosaic_gpu", interpret) is not None:
-        raise NotImplementedError("the fused MLP's grid-shared semaphores have no interpreted form: run it on a GPU")
+        raise NotImplementedError("this kernel (its register conversion, grid-shared semaphores) has no interpreted "
+                                  "form: run it on a GPU")
+
+
+def _call(x, r, gu_values, gu_scales, down_values, splits, stages, compiler_params):
+    """The kernel's outputs: (float32 parts [splits, m_pad, d], act [m_pad, f]), or (act,) for splits == 0."""
+    m, d = x.shape
+    f = gu_values.shape[0]
     splits, table = plan(d, f, splits=splits)
     programs, slots = table.shape
     device = jax.devices()[0]
-    if device.platform == "gpu" and getattr(device, "core_count", programs) < programs:
+    if splits and device.platform == "gpu" and getattr(device, "core_count", programs) < programs:
         # a program that is never resident never signals its gate items: the down items waiting on them would hang
         raise ValueError(f"the fused MLP runs {programs} programs that must all be resident at once; "
                          f"{device.device_kind} has {device.core_count} SMs")
@@ -334,9 +342,17 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
     xp = jnp.pad(x.astype(dtype), ((0, m_pad - m), (0, 0)))
     rp = jnp.pad(r.astype(jnp.float32), (0, -m % COPY_WORDS))
     int8_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    body = functools.partial(_kernel, d=d, f=f, splits=splits, programs=programs, slots=slots)
+    act_type = jax.ShapeDtypeStruct((m_pad, f), dtype)
+    inputs = (jnp.asarray(table), xp, rp, gu_values.reshape(f, 2 * d), gu_scales.reshape(2 * f).astype(jnp.float32))
+    if splits:
+        out_type, inputs = (jax.ShapeDtypeStruct((splits, m_pad, d), jnp.float32), act_type), inputs + (down_values,)
+    else:  # no down weights in, no partial sums out
+        out_type, gates_only = (act_type,), body
+        body = lambda t, x_, r_, gu, gs, act, *scratch: gates_only(t, x_, r_, gu, gs, None, None, act, *scratch)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, d=d, f=f, splits=splits, programs=programs, slots=slots),
-        out_type=(jax.ShapeDtypeStruct((splits, m_pad, d), jnp.float32), jax.ShapeDtypeStruct((m_pad, f), dtype)),
+        body,
+        out_type=out_type,
         scratch_types=(
             plgpu.SMEM((table.shape[1],), jnp.int32),
             plgpu.SMEM((rp.shape[0],), jnp.float32),
@@ -356,6 +372,44 @@ def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: j
         ),
         grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg", compiler_params=compiler_params,
     )
-    parts, _ = kernel(jnp.asarray(table), xp, rp, gu_values.reshape(f, 2 * d), gu_scales.reshape(2 * f).astype(jnp.float32),
-                      down_values)
-    return sum_slots(parts, splits)[:m] * down_scales.reshape(d).astype(jnp.float32)
+    return kernel(*inputs)
+
+
+def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
+                  down_scales: jax.Array, *, splits: int | None = None, stages: int = STAGES,
+                  compiler_params: Any = None, interpret: bool | None = None) -> jax.Array:
+    """See reference.quantized_mlp: float32 [m, d]. Per-channel scales only; m up to MAX_ROWS. `splits`: of f
+    for the down items (None: plan's choice). `compiler_params`: plgpu.CompilerParams, e.g. with a profile_dir,
+    where the kernel's named regions (gate product, SiLU and store, ...) are traced per warpgroup."""
+    m, d = x.shape
+    f = gu_values.shape[0]
+    _check(x, r, gu_values, gu_scales, stages, interpret)
+    if down_values.shape != (d, f) or down_scales.shape != (1, d):
+        raise ValueError(f"expected down values [d={d}, f={f}] with per-channel scales [1, {d}]; got "
+                         f"{down_values.shape} and {down_scales.shape}")
+    if not supports(m, d, f):
+        raise ValueError(f"the fused MLP takes up to {MAX_ROWS} rows, d a multiple of {BLOCK_K} and f that some "
+                         f"split in {SPLITS} cuts into multiples of {BLOCK_K}; got m={m}, d={d}, f={f}")
+    if splits == 0:
+        raise ValueError("splits=0 has no down items: that is gate_up_silu")
+    parts, _ = _call(x, r, gu_values, gu_scales, down_values, splits, stages, compiler_params)
+    return sum_slots(parts, parts.shape[0])[:m] * down_scales.reshape(d).astype(jnp.float32)
+
+
+def supports_gate_up_silu(m: int, d: int, f: int) -> bool:
+    """Whether gate_up_silu takes m rows, d = embed and f = ffn (per-channel scales only)."""
+    return m <= MAX_ROWS and d % BLOCK_K == 0 and f % ROWS == 0
+
+
+def gate_up_silu(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, *, stages: int = STAGES,
+                 compiler_params: Any = None, interpret: bool | None = None) -> jax.Array:
+    """See reference.gate_up_silu: act [m, f] in x's dtype, the gate items alone (no down items, no semaphores):
+    gate_up with SiLU·up in its epilogue, so no kernel of its own for it and act is all that goes out."""
+    m, d = x.shape
+    f = gu_values.shape[0]
+    _check(x, r, gu_values, gu_scales, stages, interpret)
+    if not supports_gate_up_silu(m, d, f):
+        raise ValueError(f"gate_up_silu takes up to {MAX_ROWS} rows, d a multiple of {BLOCK_K} and f of {ROWS}; "
+                         f"got m={m}, d={d}, f={f}")
+    (act,) = _call(x, r, gu_values, gu_scales, None, 0, stages, compiler_params)
+    return act[:m].astype(x.dtype)

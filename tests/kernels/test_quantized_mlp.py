@@ -1,4 +1,5 @@
-"""The fused int8 MLP kernel: its schedule, its lowering on the CPU, and its numbers on the GPU."""
+"""The fused int8 MLP kernel and its gate items alone (gate_up_silu): schedule, lowering on the CPU, numbers on the
+GPU, and the int8 decode step that takes gate_up_silu."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantized_mlp import mosaic_gpu, quantized_mlp, quantized_mlp_reference
+from pallas_kernels.quantized_mlp import (gate_up_silu, gate_up_silu_reference, mosaic_gpu, quantized_mlp,
+                                          quantized_mlp_reference)
 
 
 def random_mlp(rng: np.random.Generator, m: int, d: int, f: int):
@@ -20,12 +22,15 @@ def random_mlp(rng: np.random.Generator, m: int, d: int, f: int):
     return x, r, gu, gs, dw, ds
 
 
-def truth(x, r, gu, gs, dw, ds) -> np.ndarray:
+def act_truth(x, r, gu, gs) -> np.ndarray:
     f64 = np.float64
     g = np.asarray(x, f64) @ (np.asarray(gu, f64) * np.asarray(gs, f64)[0][:, :, None]).reshape(-1, x.shape[1]).T
     g = g.reshape(x.shape[0], -1, 2) * np.asarray(r, f64)[:, None, None]
-    act = g[..., 0] / (1 + np.exp(-g[..., 0])) * g[..., 1]
-    return act @ (np.asarray(dw, f64) * np.asarray(ds, f64)[0][:, None]).T
+    return g[..., 0] / (1 + np.exp(-g[..., 0])) * g[..., 1]
+
+
+def truth(x, r, gu, gs, dw, ds) -> np.ndarray:
+    return act_truth(x, r, gu, gs) @ (np.asarray(dw, np.float64) * np.asarray(ds, np.float64)[0][:, None]).T
 
 
 @pytest.mark.parametrize("d,f", [(4096, 14336), (512, 1792), (256, 1024)])
@@ -76,10 +81,39 @@ def test_bad_inputs_name_the_values():
         mosaic_gpu.quantized_mlp(x, jnp.ones(3), gu, gs, dw, ds, interpret=False)
     with pytest.raises(ValueError, match="stages=5 must be 2, 3 or 4"):
         mosaic_gpu.quantized_mlp(x, r, gu, gs, dw, ds, stages=5, interpret=False)
-    with pytest.raises(ValueError, match="splits=0 must cut f=1024"):
-        mosaic_gpu.plan(256, 1024, splits=0)
+    with pytest.raises(ValueError, match="splits=3 must cut f=1024"):
+        mosaic_gpu.plan(256, 1024, splits=3)
+    with pytest.raises(ValueError, match="splits=0 has no down items: that is gate_up_silu"):
+        mosaic_gpu.quantized_mlp(x, r, gu, gs, dw, ds, splits=0, interpret=False)
+    with pytest.raises(ValueError, match="gate_up_silu takes up to 16 rows, d a multiple of 256 and f of 64; got "
+                                         "m=2, d=256, f=1000"):
+        mosaic_gpu.gate_up_silu(x, r, gu[:1000], gs[:, :1000], interpret=False)
+    with pytest.raises(NotImplementedError, match="no interpreted form"):
+        mosaic_gpu.gate_up_silu(x, r, gu, gs, interpret=True)
+    with pytest.raises(ValueError, match="backend='xla' must be 'auto', 'reference' or 'mosaic_gpu'"):
+        gate_up_silu(x, r, gu, gs, backend="xla")
     with pytest.raises(ValueError, match="backend='mosaic_tpu' must be 'auto', 'reference' or 'mosaic_gpu'"):
         quantized_mlp(x, r, gu, gs, dw, ds, backend="mosaic_tpu")
+
+
+def test_gate_items_alone_take_each_once_and_lower_for_cuda():
+    d, f = 4096, 14336
+    splits, table = mosaic_gpu.plan(d, f, splits=0)
+    filler = mosaic_gpu.filler(d, f, 0)
+    assert splits == 0 and filler == f // 64
+    assert sorted(table[table != filler].tolist()) == list(range(f // 64))
+    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((8, d), jnp.bfloat16), ((8,), jnp.float32),
+              ((f, 2, d), jnp.int8), ((1, f, 2), jnp.float32)]]
+    jax.jit(lambda *a: mosaic_gpu.gate_up_silu(*a, interpret=False)).trace(*shapes).lower(lowering_platforms=("cuda",))
+
+
+def test_gate_up_silu_reference_matches_float64_and_is_the_mlps_first_half():
+    rng = np.random.default_rng(2)
+    x, r, gu, gs, dw, ds = random_mlp(rng, 3, 256, 1024)
+    want = act_truth(x, r, gu, gs)
+    got = np.asarray(gate_up_silu_reference(x.astype(jnp.float32), r, gu, gs))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert gate_up_silu(x, r, gu, gs).dtype == jnp.bfloat16  # x's dtype; on the CPU the reference
 
 
 def test_reference_matches_float64():
@@ -101,3 +135,43 @@ def test_kernel_matches_float64(m, d, f, splits):
         want = truth(*args)
         got = np.asarray(fn(*args))
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,d,f", [(1, 4096, 14336), (8, 4096, 14336), (5, 512, 1792), (16, 256, 1024)])
+def test_gate_up_silu_kernel_matches_float64(m, d, f):
+    rng = np.random.default_rng(m + d + f)
+    fn = jax.jit(lambda *a: gate_up_silu(*a, backend="mosaic_gpu"))
+    for _ in range(2):
+        x, r, gu, gs, _, _ = random_mlp(rng, m, d, f)
+        want = act_truth(x, r, gu, gs)
+        got = fn(x, r, gu, gs)
+        assert got.shape == (m, f) and got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_int8_decode_takes_gate_up_silu_and_matches_xla():
+    from jaxserve.checkpoint.random_model import PRESETS
+    from jaxserve.config import QuantConfig
+    from jaxserve.model.kv_cache import KVCache
+    from jaxserve.model.quant import quantize_weights, with_backend
+    from jaxserve.model.transformer import forward
+    from jaxserve.model.weights import random_weights
+
+    cfg = PRESETS["smoke"]
+    weights = quantize_weights(random_weights(cfg, jax.random.key(0), jnp.bfloat16), QuantConfig(mode="int8"),
+                               jnp.bfloat16)
+    cache = KVCache.zeros(cfg, 4, 16, jnp.bfloat16, padding_page=True)
+    tokens, positions = jnp.asarray([[5]], jnp.int32), jnp.asarray([[3]], jnp.int32)
+    valid, table = jnp.asarray([[True]]), jnp.asarray([[0, 1]], jnp.int32)
+
+    def step(w):
+        return forward(w, cfg, tokens, positions, valid, table, cache).logits
+
+    # jax.nn.silu is XLA's logistic: gone from the step where the kernel does SiLU·up (with exp), there otherwise
+    assert "logistic" not in str(jax.make_jaxpr(step)(weights))
+    assert "logistic" in str(jax.make_jaxpr(step)(with_backend(weights, "reference")))
+    got = np.asarray(jax.jit(step)(weights), np.float64)
+    want = np.asarray(jax.jit(step)(with_backend(weights, "reference")), np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
