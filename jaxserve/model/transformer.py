@@ -18,7 +18,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import AttentionFn, update_and_attend
 from jaxserve.model.kv_cache import KVCache
-from jaxserve.model.quant import embed_lookup, is_quantized, linear, row_multiple
+from jaxserve.model.quant import embed_lookup, linear, row_multiple
 from jaxserve.model.weights import Layer, Weights, split_qkv
 
 
@@ -41,28 +41,6 @@ def normed_linear(x: jax.Array, gain: jax.Array, w: Any, eps: float, *, preferre
     y = linear(gain * x, w, preferred_element_type=preferred_element_type)
     inv_rms = inv_rms.reshape(inv_rms.shape + (1,) * (y.ndim - x.ndim))
     return (y * inv_rms).astype(y.dtype)
-
-
-def normed_gate_up_silu(x: jax.Array, gain: jax.Array, w: Any, eps: float) -> jax.Array:
-    """silu(gate) · up [..., ffn] of RMSNorm(x) · gain through w_gate_up [ffn, 2, embed].
-
-    Where w is quantized per channel and its products run on Mosaic GPU (decode's few rows), one kernel does
-    gate_up with SiLU·up in its epilogue (pallas_kernels.quantized_mlp.gate_up_silu), so SiLU·up has no kernel of
-    its own; elsewhere normed_linear, then SiLU·up in XLA. The norm's 1/rms scales the product's output either way.
-    """
-    if is_quantized(w):
-        from pallas_kernels.quantized_mlp import gate_up_silu, supports_gate_up_silu
-
-        ffn, d = w.values.shape[0], x.shape[-1]
-        rows = int(np.prod(x.shape[:-1]))
-        if not w.group_size and supports_gate_up_silu(rows, d, ffn, w.scales.shape[0], w.backend):
-            x32 = x.astype(jnp.float32)
-            inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
-            act = gate_up_silu((gain * x).reshape(rows, d), inv_rms.reshape(rows), w.values, w.scales,
-                               backend=w.backend)
-            return act.reshape(*x.shape[:-1], ffn)
-    gate_up = normed_linear(x, gain, w, eps)  # [..., ffn, 2]
-    return jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -109,7 +87,8 @@ def _layer(
         attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
         x = x + linear(_pad_rows(attn, x.shape[0] - rows), w.wo, in_ndim=2)
     with jax.named_scope("mlp"):
-        x = x + linear(normed_gate_up_silu(x, w.mlp_norm, w.w_gate_up, cfg.rms_norm_eps), w.w_down)
+        gate_up = normed_linear(x, w.mlp_norm, w.w_gate_up, cfg.rms_norm_eps)  # [b, t, ffn, 2]
+        x = x + linear(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], w.w_down)
     return x, k_pages, v_pages
 
 
