@@ -78,8 +78,7 @@ def main() -> None:
         fn = jax.jit(gate_up_silu_then_down)
         err = float(np.linalg.norm(np.asarray(fn(*inputs), np.float64) - want) / np.linalg.norm(want))
         t = device_seconds(fn, inputs)
-        record(args.out, "int8_mlp_gate_up_silu_device", {"d": d, "f": f, "m": m, "error_vs_separate": err,
-                                                          "session": 20},
+        record(args.out, "int8_mlp_gate_up_silu_device", {"d": d, "f": f, "m": m, "error_vs_separate": err},
                "us", t * 1e6, "us", "separate kernels", base * 1e6, higher_is_better=False)
         lines.append(f"rows {m}: gate_up_silu + down {t * 1e6:.1f} us ({base / t:.3f}x), error vs separate {err:.2e}")
         print(lines[-1], flush=True)

@@ -50,10 +50,10 @@ def main() -> None:
         want = jnp.dot(x.astype(jnp.float32), values.astype(jnp.float32).T) * scales
         err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         rate = args.n * args.k / t
-        record(args.out, "int8_stream_rate_by_programs", {"n": args.n, "k": args.k, "programs": p, "probe": probe, "session": 20},
-               "GB/s", rate / 1e9, "GB/s", "device copy", copy / 1e9)
-        lines.append(f"{probe or 'full':>8} {p:>4} programs: {t * 1e6:7.1f} us, {rate / 1e9:6.0f} GB/s ({rate / copy:.2f} of copy), "
-                     f"{rate / p / 1e9:5.1f} GB/s a program, error {err:.1e}")
+        config = {"n": args.n, "k": args.k, "programs": p, "probe": probe}
+        record(args.out, "int8_stream_rate_by_programs", config, "GB/s", rate / 1e9, "GB/s", "device copy", copy / 1e9)
+        lines.append(f"{probe or 'full':>8} {p:>4} programs: {t * 1e6:7.1f} us, {rate / 1e9:6.0f} GB/s "
+                     f"({rate / copy:.2f} of copy), {rate / p / 1e9:5.1f} GB/s a program, error {err:.1e}")
         print(lines[-1], flush=True)
     print("\n".join(lines))
 
