@@ -24,9 +24,12 @@ the waits end. The semaphores (grid-shared, from pl.get_global) outlive the call
 program has finished, program 0 takes their counts back to zero.
 
 Status: correct on the H100 (tests/kernels/test_quantized_mlp.py, marked gpu) but no faster than the separate
-kernels it would replace (8B MLP at 8 rows, 4 down splits: 73.5 against 73.3 us by device time,
-benchmarks/mlp_gpu.py), so the model does not call it yet. Each item a program takes costs it 5-10 us beyond
-its bytes, which is what to find next (see benchmarks/int8_gpu_notes.md, session 19).
+kernels it would replace (8B MLP at 8 rows, 4 down splits, device time, benchmarks/mlp_gpu.py: 72.8 against
+71.7 us on an H100, 58.5 against 54.9 on an H200), so the model does not call it. The schedule leaves a third of
+the programs idle for the kernel's last third, and a program cannot stream faster than its conversion allows
+(~30 GB/s: benchmarks/sm_rate_gpu.py), so an idle SM's share of HBM is lost, on the H200 nearly all of it; taking
+the epilogues off the compute warpgroups did not help (benchmarks/int8_gpu_notes.md, session 20).
+`gate_up_silu` runs the gate items alone (splits=0).
 """
 
 from __future__ import annotations
