@@ -121,8 +121,11 @@ def plan(d: int, f: int, programs: int = NUM_SMS, splits: int | None = None) -> 
     """(splits, the item table [programs, most items] int32 with filler() past a program's items), for `splits`
     (0: gate items only) or else for the split whose schedule ends first."""
     if splits is not None and splits != 0 and (splits < 1 or not _fits(d, f, splits)):
-        raise ValueError(f"splits={splits} must cut f={f} into multiples of {BLOCK_K} (or be 0: gate_up and SiLU only)")
-    best = splits if splits is not None else min((schedule(d, f, s, programs)[1], s) for s in SPLITS if _fits(d, f, s))[1]
+        raise ValueError(f"splits={splits} must cut f={f} into multiples of {BLOCK_K} (or be 0: gate_up and SiLU "
+                         "only)")
+    if splits is None:
+        splits = min((schedule(d, f, s, programs)[1], s) for s in SPLITS if _fits(d, f, s))[1]
+    best = splits
     items, _ = schedule(d, f, best, programs)
     table = np.full((programs, max(map(len, items))), filler(d, f, best), np.int32)
     for p, row in enumerate(items):
