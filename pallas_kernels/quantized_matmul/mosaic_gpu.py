@@ -57,9 +57,6 @@ WIDE_STEP_ROWS = 16  # up to this many activation rows, a step takes 256 inputs 
 STREAM_K_IDLE = {"H200": 0.1}
 SMEM_BYTES = 232_448  # shared memory one program may use on the H100 (227 KiB)
 _CONTRACT_K = (((1,), (1,)), ((), ()))
-# A measuring instrument, never set by the library: the compute warpgroups hand every slot back untouched, so a
-# program streams its tiles with no conversion or product (benchmarks/sm_rate_gpu.py: the copies' own rate)
-_COPIES_ONLY = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -225,9 +222,6 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
         def step(g, carry):
             slot = slot_of(g)
             plgpu.barrier_wait(tile_bar.at[slot])
-            if _COPIES_ONLY:  # (a measurement: benchmarks/sm_rate_gpu.py)
-                plgpu.barrier_arrive(free_bar.at[slot])
-                return carry
             # every chunk is converted before the first product is issued, so no register of an issued wgmma
             # is written while it runs
             tiles = [weight_tile(slot, cols) for cols in chunks]

@@ -14,22 +14,33 @@ from pallas_kernels.quantized_mlp.reference import gate_up_silu as gate_up_silu_
 from pallas_kernels.quantized_mlp.reference import quantized_mlp as quantized_mlp_reference
 
 
-def supports(m: int, d: int, f: int, groups: int, backend: str = "auto") -> bool:
-    """Whether `backend` runs this MLP as one kernel (per-channel scales, decode's few rows, a GPU)."""
+def _kernel_takes(name: str, m: int, d: int, f: int, groups: int, backend: str) -> bool:
+    """Whether `backend` runs mosaic_gpu.<name> for these shapes (per-channel scales, decode's few rows, a GPU)."""
     if backend_lib.resolve(backend) != "mosaic_gpu" or groups != 1 or backend_lib.interpreted("mosaic_gpu"):
         return False
     from pallas_kernels.quantized_mlp import mosaic_gpu
 
-    return mosaic_gpu.supports(m, d, f)
+    return {"quantized_mlp": mosaic_gpu.supports, "gate_up_silu": mosaic_gpu.supports_gate_up_silu}[name](m, d, f)
+
+
+def _on_kernel(name: str, x: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, backend: str) -> bool:
+    """Whether a call of `name` with `backend` goes to the Mosaic GPU kernel (else to the reference)."""
+    if backend not in ("auto", "reference", "mosaic_gpu"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'reference' or 'mosaic_gpu'")
+    f = gu_values.shape[0]
+    return backend == "mosaic_gpu" or (backend == "auto" and _kernel_takes(
+        name, x.shape[0], x.shape[1], f, gu_scales.size // f // 2, backend))
+
+
+def supports(m: int, d: int, f: int, groups: int, backend: str = "auto") -> bool:
+    """Whether `backend` runs this MLP as one kernel (per-channel scales, decode's few rows, a GPU)."""
+    return _kernel_takes("quantized_mlp", m, d, f, groups, backend)
 
 
 def quantized_mlp(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: jax.Array, down_values: jax.Array,
                   down_scales: jax.Array, *, backend: str = "auto", **kwargs) -> jax.Array:
     """[m, d] float32; see reference.quantized_mlp."""
-    if backend not in ("auto", "reference", "mosaic_gpu"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'reference' or 'mosaic_gpu'")
-    if backend == "reference" or (backend == "auto" and not supports(
-            x.shape[0], x.shape[1], gu_values.shape[0], gu_scales.size // gu_values.shape[0] // 2)):
+    if not _on_kernel("quantized_mlp", x, gu_values, gu_scales, backend):
         return quantized_mlp_reference(x, r, gu_values, gu_scales, down_values, down_scales)
     from pallas_kernels.quantized_mlp import mosaic_gpu
 
@@ -40,24 +51,11 @@ def gate_up_silu(x: jax.Array, r: jax.Array, gu_values: jax.Array, gu_scales: ja
                  **kwargs) -> jax.Array:
     """act = silu(r · gate(x)) · r · up(x) [m, f] in x's dtype; see reference.gate_up_silu. On a GPU for the shapes
     it takes, one Mosaic GPU kernel (the fused MLP's gate items alone: SiLU·up in gate_up's epilogue); else XLA."""
-    if backend not in ("auto", "reference", "mosaic_gpu"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'reference' or 'mosaic_gpu'")
-    if backend == "reference" or (backend == "auto" and not supports_gate_up_silu(
-            x.shape[0], x.shape[1], gu_values.shape[0], gu_scales.size // gu_values.shape[0] // 2)):
+    if not _on_kernel("gate_up_silu", x, gu_values, gu_scales, backend):
         return gate_up_silu_reference(x, r, gu_values, gu_scales)
     from pallas_kernels.quantized_mlp import mosaic_gpu
 
     return mosaic_gpu.gate_up_silu(x, r, gu_values, gu_scales, **kwargs)
 
 
-def supports_gate_up_silu(m: int, d: int, f: int, groups: int, backend: str = "auto") -> bool:
-    """Whether `backend` runs gate_up_silu as one kernel (per-channel scales, decode's few rows, a GPU)."""
-    if backend_lib.resolve(backend) != "mosaic_gpu" or groups != 1 or backend_lib.interpreted("mosaic_gpu"):
-        return False
-    from pallas_kernels.quantized_mlp import mosaic_gpu
-
-    return mosaic_gpu.supports_gate_up_silu(m, d, f)
-
-
-__all__ = ["gate_up_silu", "gate_up_silu_reference", "quantized_mlp", "quantized_mlp_reference", "supports",
-           "supports_gate_up_silu"]
+__all__ = ["gate_up_silu", "gate_up_silu_reference", "quantized_mlp", "quantized_mlp_reference", "supports"]

@@ -125,12 +125,11 @@ def plan(d: int, f: int, programs: int = NUM_SMS, splits: int | None = None) -> 
                          "only)")
     if splits is None:
         splits = min((schedule(d, f, s, programs)[1], s) for s in SPLITS if _fits(d, f, s))[1]
-    best = splits
-    items, _ = schedule(d, f, best, programs)
-    table = np.full((programs, max(map(len, items))), filler(d, f, best), np.int32)
+    items, _ = schedule(d, f, splits, programs)
+    table = np.full((programs, max(map(len, items))), filler(d, f, splits), np.int32)
     for p, row in enumerate(items):
         table[p, : len(row)] = row
-    return best, table
+    return splits, table
 
 
 def _kernel(table_ref, x_ref, r_ref, gu_ref, gs_ref, dw_ref, o_ref, act_ref,
