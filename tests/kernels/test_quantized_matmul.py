@@ -236,7 +236,6 @@ def test_stream_k_lowers_for_cuda_on_the_8b_decode_shapes():
             *shapes).lower(lowering_platforms=("cuda",))
 
 
-
 def test_stream_k_is_the_default_only_where_a_device_kind_gains(monkeypatch):
     """With a threshold (the H200's), decode's qkv (96 of 132 SMs busy) and gate_up (224 programs over 264 slots)
     take stream-K, the products that fill their waves do not; without one (the H100, the CPU) none does."""
