@@ -354,7 +354,9 @@ def _call(x, r, gu_values, gu_scales, down_values, splits, stages, compiler_para
         out_type, inputs = (jax.ShapeDtypeStruct((splits, m_pad, d), jnp.float32), act_type), inputs + (down_values,)
     else:  # no down weights in, no partial sums out
         out_type, gates_only = (act_type,), body
-        body = lambda t, x_, r_, gu, gs, act, *scratch: gates_only(t, x_, r_, gu, gs, None, None, act, *scratch)
+
+        def body(t, x_, r_, gu, gs, act, *scratch):
+            return gates_only(t, x_, r_, gu, gs, None, None, act, *scratch)
     kernel = plgpu.kernel(
         body,
         out_type=out_type,

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantized_mlp import (gate_up_silu, gate_up_silu_reference, mosaic_gpu, quantized_mlp,
-                                          quantized_mlp_reference)
+from pallas_kernels.quantized_mlp import gate_up_silu, gate_up_silu_reference, mosaic_gpu, quantized_mlp, quantized_mlp_reference
 
 
 def random_mlp(rng: np.random.Generator, m: int, d: int, f: int):
