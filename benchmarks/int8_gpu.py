@@ -216,6 +216,8 @@ def main() -> None:
     ap.add_argument("--processes", type=int, default=1,
                     help="run the decode timings in this many fresh processes one after another and record the median "
                          "of their ratios (int8's step time moved by 6 %% from one process to the next on one machine)")
+    ap.add_argument("--compiler-options", default="",
+                    help="XLA options for every decode step, e.g. xla_gpu_enable_pdl=true,xla_gpu_enable_pdl_launch=true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.processes < 1:
@@ -229,6 +231,9 @@ def main() -> None:
     model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
     model += f", {cfg.num_layers} layers" if args.layers else ""
     base = {"model": model, "context": args.context, "steps": args.steps}
+    options = parse_options(args.compiler_options)
+    if options:
+        base["compiler_options"] = options
     if args.processes > 1:
         return across_processes(args, out, base)
     print(f"{jax.devices()[0]} jax {jax.__version__}; writing {out}", flush=True)
@@ -254,7 +259,7 @@ def main() -> None:
             try:
                 if name.startswith("int8@"):  # read when the step is traced
                     qmm_gpu.DEFAULT_BLOCK_SIZES = parse_tiling(name.split("@", 1)[1].replace("+", ","))
-                steps[name] = decode_step(cfg, weights, batch, args.context)
+                steps[name] = decode_step(cfg, weights, batch, args.context, options or None)
             except Exception as e:  # the other variants still run; the failure is kept with the results
                 traceback.print_exc()
                 rows.append(record(out, "int8_decode_error", {**base, "batch": batch, "weights": name,
@@ -269,6 +274,7 @@ def main() -> None:
                 steps[name] = (step, state, inp)
                 times[name].append(t)
         seconds = {name: float(np.median(t)) for name, t in times.items()}
+        rows += kernel_variants_agree(out, {**base, "batch": batch}, steps, variants)
         for name, t in seconds.items():
             print(f"batch {batch} {name}: {t * 1e3:.3f} ms/step (median of {args.reps} alternated)", flush=True)
         del steps
@@ -282,6 +288,36 @@ def main() -> None:
                                "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
 
     print_table(rows)
+
+
+def parse_options(text: str) -> dict:
+    """"name=true,other=3": XLA compiler options (true/false as booleans, digits as integers)."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"--compiler-options: {item!r} is not name=value")
+        options[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return options
+
+
+def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -> list[dict]:
+    """One more step of every variant run on the Pallas kernels ("int8", "int8@..."), its logits against the first
+    one's: every variant has taken the same steps from the same state, so variants that differ only in how their
+    kernels launch (pdl) must agree bit for bit, and a race shows up here; other tilings sum in another order."""
+    names = [name for name in steps if name == "int8" or name.startswith("int8@")]
+    logits = {}
+    for name in names:
+        step, state, inp = steps[name]
+        _, logits[name], state = step(variants[name], state, inp)
+        steps[name] = (step, state, inp)
+    rows = []
+    for name in names[1:]:
+        diff = float(jnp.max(jnp.abs(logits[name] - logits[names[0]])))
+        print(f"logits of {name} against {names[0]}: largest difference {diff:.3g}", flush=True)
+        rows.append(record(out, "int8_decode_logits_difference", {**config, "weights": name, "against": names[0]},
+                           "max_abs_difference", diff, "1"))
+    return rows
 
 
 def across_processes(args: argparse.Namespace, out: str, base: dict) -> None:
