@@ -304,7 +304,7 @@ def parse_options(text: str) -> dict:
 def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -> list[dict]:
     """One more step of every variant run on the Pallas kernels ("int8", "int8@..."), its logits against the first
     one's: every variant has taken the same steps from the same state, so variants that differ only in how their
-    kernels launch (pdl) must agree bit for bit, and a race shows up here; other tilings sum in another order."""
+    kernels launch must agree bit for bit (a race shows up here); other tilings sum in another order."""
     names = [name for name in steps if name == "int8" or name.startswith("int8@")]
     logits = {}
     for name in names:

@@ -76,8 +76,6 @@ class BlockSizes:
     # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
     # would leave more of its waves' SMs idle than stream_k_idle() (and num_splits is not given)
     programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
-    pdl: bool = True  # programmatic dependent launch (see follow_previous_kernel): the kernel may start while the
-    # kernel before it runs, copying its first weight tiles before it waits for that kernel's results
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -135,7 +133,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         if group != k or m > block_m:
             raise ValueError(f"stream_k takes per-channel scales (group={group} must be k={k}) and one tile of rows "
                              f"(m={m} must be at most block_m={block_m})")
-        resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True, pdl=bs.pdl,
+        resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True,
                               stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=1,
                               programs=min(bs.programs or NUM_SMS, (n // block_n) * (k // block_k)))
         if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
@@ -151,7 +149,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
-    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, pdl=bs.pdl,
+    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m,
                           stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, stream_k=False)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
@@ -250,19 +248,6 @@ def store_transposed(tile: jax.Array, ref, *, interpreted: bool) -> None:
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
 
 
-def follow_previous_kernel(pdl: bool, interpreted: bool) -> Any:
-    """Programmatic dependent launch (Hopper's griddepcontrol): lets the kernel after this one start before this one
-    ends, and returns `wait_for_inputs`, which a program calls before it reads anything an earlier kernel of the
-    step writes (the activations) or writes anything. Every read before that call must be of what no kernel of the
-    step writes: the weights and their scales, which is how a product streams its first weight tiles while the
-    kernels before it (a norm, a residual add, the attention) still run. With `pdl` off (or interpreted, or on a
-    launch without the attribute), the wait does nothing and the kernel starts when the one before it has ended."""
-    if not pdl or interpreted:
-        return lambda: None
-    plgpu.griddepcontrol_launch_dependents()  # the next kernel waits for this one's end before it reads our output
-    return plgpu.griddepcontrol_wait
-
-
 def drain(free_bar, stages: int, first, last) -> None:
     """Waits for the hand-back of ring steps [first, last) on free_bar: every completion of a barrier is awaited
     before a kernel ends."""
@@ -292,20 +277,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
     segment = min(group, k_split) // block_k  # steps sharing one scale
     num_segments = steps // segment
 
-    wait_for_inputs = follow_previous_kernel(bs.pdl, interpreted)
-
     @pl.when(wg == compute_wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem, s_bar)
-
-        def copy_weight(j, slot):
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k0 + j * block_k, block_k)], w_smem.at[slot],
-                                    tile_bar.at[slot])
-
-        for j in range(min(stages, steps)):  # the ring's first weight tiles need no earlier kernel
-            copy_weight(j, j)
-        wait_for_inputs()
 
         def step(j, carry):
             slot = lax.rem(j, stages)
@@ -313,9 +288,11 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             @pl.when(j >= stages)
             def _():
                 plgpu.barrier_wait(free_bar.at[slot])  # every compute warpgroup is done with this slot
-                copy_weight(j, slot)
 
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k0 + j * block_k, block_k)], x_smem.at[slot],
+            k_at = k0 + j * block_k
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
+                                    tile_bar.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
                                     tile_bar.at[slot])
             return carry
 
@@ -325,7 +302,6 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
     @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        wait_for_inputs()  # before its output is written
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's weight rows
@@ -381,22 +357,9 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
     total = (o_ref.shape[2] // block_n) * steps
     begin, end = lax.div(p * total, programs), lax.div((p + 1) * total, programs)
 
-    wait_for_inputs = follow_previous_kernel(bs.pdl, interpreted)
-
     @pl.when(wg == compute_wgs)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-
-        def copy_weight(u, slot):
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n),
-                                             pl.ds(lax.rem(u, steps) * block_k, block_k)],
-                                    w_smem.at[slot], tile_bar.at[slot])
-
-        for g in range(stages):  # the ring's first weight tiles need no earlier kernel
-            @pl.when(begin + g < end)
-            def _():
-                copy_weight(begin + g, g)
-        wait_for_inputs()
 
         def step(u, carry):
             g = u - begin  # this program's ring runs on across tiles
@@ -405,10 +368,11 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             @pl.when(g >= stages)
             def _():
                 plgpu.barrier_wait(free_bar.at[slot])
-                copy_weight(u, slot)
 
-            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(lax.rem(u, steps) * block_k, block_k)], x_smem.at[slot],
-                                    tile_bar.at[slot])
+            k_at = lax.rem(u, steps) * block_k
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n), pl.ds(k_at, block_k)],
+                                    w_smem.at[slot], tile_bar.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k_at, block_k)], x_smem.at[slot], tile_bar.at[slot])
             return carry
 
         lax.fori_loop(begin, end, step, None)
@@ -417,7 +381,6 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
     @pl.when(wg < compute_wgs)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        wait_for_inputs()  # before its output is written
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
         zeros = with_layout(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=interpreted)
         store_transposed(zeros, z_smem.at[wg], interpreted=interpreted)
