@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--probe", default=",copies", help="what the programs do, comma separated: '' (the product), "
+                                                          "'float16' (the product in float16: BlockSizes.float16), "
                                                           "'copies' (stream the tiles only)")
     ap.add_argument("--out", default="benchmarks/results/sm_rate_gpu.jsonl")
     args = ap.parse_args()
@@ -60,7 +61,7 @@ def main() -> None:
     lines = [f"device copy {copy / 1e9:.0f} GB/s"]
     product = qmm_gpu.ring_product
     for probe, p in ((q, int(v)) for q in args.probe.split(",") for v in args.programs.split(",")):
-        bs = qmm_gpu.BlockSizes(stream_k=True, programs=p)
+        bs = qmm_gpu.BlockSizes(stream_k=True, programs=p, float16=probe == "float16")
         fn = jax.jit(lambda *a, bs=bs: quantized_matmul(*a, backend="mosaic_gpu", block_sizes=bs))
         qmm_gpu.ring_product = copies_only if probe == "copies" else product  # read when fn traces, just below
         try:

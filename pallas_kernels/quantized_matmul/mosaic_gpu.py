@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -76,6 +77,9 @@ class BlockSizes:
     # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
     # would leave more of its waves' SMs idle than stream_k_idle() (and num_splits is not given)
     programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
+    float16: bool = False  # multiply in float16: the activations enter as x · 2^-8 in float16 (exact for
+    # |x| >= 2^-9, finite below 1.6e7) and the int8 weights convert to float16 in two integer instructions per two
+    # values instead of bfloat16's three (see int8_to_float16); the scales take the 2^8 back
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -133,7 +137,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         if group != k or m > block_m:
             raise ValueError(f"stream_k takes per-channel scales (group={group} must be k={k}) and one tile of rows "
                              f"(m={m} must be at most block_m={block_m})")
-        resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True,
+        resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True, float16=bs.float16,
                               stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=1,
                               programs=min(bs.programs or NUM_SMS, (n // block_n) * (k // block_k)))
         if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
@@ -149,7 +153,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
-    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m,
+    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, float16=bs.float16,
                           stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, stream_k=False)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
@@ -185,6 +189,45 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
     return best
 
 
+X_SHIFT = 2.0 ** -8  # float16 activations are x · X_SHIFT (see BlockSizes.float16)
+
+
+def int8_to_float16(w: jax.Array) -> jax.Array:
+    """int8 [rows, cols] in the WGMMA register layout -> float16, exactly, two values a 32-bit register: the bytes
+    go under a float16 exponent of 1024 (prmt), their sign bits flip (xor: 1024 + v + 128), and one float16x2
+    subtraction of 1152 leaves v. Two integer instructions per two values, where Mosaic GPU's int8 -> bfloat16
+    takes three (bfloat16's 7-bit mantissa cannot hold a byte, so its sign bit is split off by two ands)."""
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import llvm, vector
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.float16, plgpu.Layout.WGMMA))
+    def convert(ctx, w):
+        del ctx
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pad = llvm.mlir_undef(ir.VectorType.get((1,), i16))
+        word = llvm.mlir_undef(ir.VectorType.get((1,), i32))
+        registers = np.empty_like(w.registers)
+        for idx, reg in np.ndenumerate(w.registers):
+            if ir.VectorType(reg.type).shape != [2]:
+                raise NotImplementedError(f"int8_to_float16 takes 2 values a register, got {reg.type}")
+            pair = mgpu_utils.vector_concat([vector.bitcast(ir.VectorType.get((1,), i16), reg), pad])
+            out = llvm.inline_asm(i32, [pair], """{
+                .reg .b32 s<3>;
+                prmt.b32 s0, $1, 0x64, 0x4140;
+                xor.b32 s1, s0, 0x00800080;
+                mov.b32 s2, 0x64806480;
+                sub.f16x2 $0, s1, s2;
+                }""", "=r,r")
+            out = llvm.insertelement(word, out, mgpu_utils.c(0, i32))
+            registers[idx] = vector.bitcast(ir.VectorType.get((2,), ir.F16Type.get()), out)
+        return mgpu.FragmentedArray(_registers=registers, _layout=w.layout, _is_signed=None)
+
+    return convert(w)
+
+
 def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool) -> jax.Array:
     """[64, block_m] float32: int8 weight rows `rows` times the activations, over ring steps [first, last).
 
@@ -204,7 +247,9 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
 
     def weight_tile(slot, cols):
         w = with_layout(w_smem.at[slot, rows, cols][...], plgpu.Layout.WGMMA, interpreted=interpreted)
-        return w.astype(jnp.bfloat16)
+        if x_smem.dtype == jnp.float16 and not interpreted:
+            return int8_to_float16(w)
+        return w.astype(x_smem.dtype)
 
     if interpreted:  # the interpreter has no register A operand: the same products by jnp.dot
         def dot_step(g, acc):
@@ -316,6 +361,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             part = segment_product(seg * segment)
             g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
             scale = row_vec(s_smem.at[g, rows][...])
+            if bs.float16:
+                scale = scale * (1 / X_SHIFT)
             return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
         total = lax.fori_loop(0, num_segments, scaled_segment, wgmma(jnp.zeros((ROWS, block_m), jnp.float32)))
@@ -433,8 +480,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     bs = _resolve(block_sizes or DEFAULT_BLOCK_SIZES, m, n, k, group)
     splits, k_split = bs.num_splits, k // bs.num_splits
     m_pad = -(-m // bs.block_m) * bs.block_m
-    dtype = mosaic_dtype(x.dtype)
-    xp = x.astype(dtype)
+    dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
+    xp = (x.astype(jnp.float32) * X_SHIFT).astype(dtype) if bs.float16 else x.astype(dtype)
     if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     partial = splits > 1
@@ -460,7 +507,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             grid=(bs.programs,), grid_names=("p",), num_threads=compute_wgs + 1, thread_name="wg", interpret=params,
         )
         out = sum_slots(kernel(xp, values), slots)
-        return (out[:m] * scales[0].astype(jnp.float32)).astype(out_dtype)
+        return (out[:m] * (scales[0].astype(jnp.float32) * (1 / X_SHIFT if bs.float16 else 1))).astype(out_dtype)
     o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
     out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     kernel = plgpu.kernel(
