@@ -77,9 +77,11 @@ class BlockSizes:
     # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
     # would leave more of its waves' SMs idle than stream_k_idle() (and num_splits is not given)
     programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
-    float16: bool = False  # multiply in float16: the activations enter as x · 2^-8 in float16 (exact for
-    # |x| >= 2^-9, finite below 1.6e7) and the int8 weights convert to float16 in two integer instructions per two
-    # values instead of bfloat16's three (see int8_to_float16); the scales take the 2^8 back
+    float16: bool = True  # multiply in float16: the activations enter as x · 2^-8 in float16 (bfloat16 x exactly
+    # for |x| >= 2^-9, finite below 1.6e7) and the int8 weights convert to float16 in two integer instructions per
+    # two values instead of bfloat16's three (see int8_to_float16); the scales take the 2^8 back. A program streams
+    # 11 % faster alone (32.8 against 29.5 GB/s, 33 programs), the same at 132; a 4-layer 8B decode step at batch 1
+    # was 1.5 % faster in each of 4 processes (H100, benchmarks/int8_gpu_notes.md, session 21)
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
