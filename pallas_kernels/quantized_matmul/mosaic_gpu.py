@@ -10,8 +10,8 @@ One program owns `block_n` output channels (64 per compute warpgroup), `block_m`
 rows, and one split of k. A producer warpgroup copies, for each `block_k` step, the int8 weight
 tile [block_n, block_k] and the activation tile [block_m, block_k] into a ring of `stages`
 shared-memory buffers (TMA, completing on one barrier per slot). Each compute warpgroup loads
-its [64, block_k] int8 rows into registers, converts them to bfloat16 (exact: |v| <= 127) and
-issues wgmma with A in registers and the activation tile as a transposed (K-major) B from shared
+its [64, block_k] int8 rows into registers, converts them to the activations' type (exact: |v| <= 127;
+float16 by default, where x enters as x · 2^-8: BlockSizes.float16) and issues wgmma with A in registers and the activation tile as a transposed (K-major) B from shared
 memory, one wgmma per 128 inputs (a 128-byte swizzle tile of int8; decode's steps take 256
 inputs, so each weight row is read 256 contiguous bytes at a time). The float32 product of each
 scale group is multiplied by that group's per-channel scales and summed in registers; the tile is
@@ -236,12 +236,13 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     w_smem [stages, block_n, block_k] int8 and x_smem [stages, block_m, block_k] (both tiled + swizzled) are the
     ring; step g is in slot slot_of(g), waited on tile_bar and handed back on free_bar. Each 128-input chunk of
     the weight rows is loaded straight into the WGMMA layout that A-in-registers needs (16-bit shared-memory reads,
-    2 values each) and converted to bfloat16 there (exact: |v| <= 127); B is the activation tile read K-major
-    (transposed), which the 16-bit wgmma takes without a transpose of x in memory. A step of 256 inputs is two
-    128-byte swizzle tiles a row, a wgmma each.
+    2 values each) and converted there to x_smem's type, float16 (int8_to_float16) or bfloat16 (exact: |v| <= 127);
+    B is the activation tile read K-major (transposed), which the 16-bit wgmma takes without a transpose of x in
+    memory. A step of 256 inputs is two 128-byte swizzle tiles a row, a wgmma each.
 
-    The conversion is what holds a program to ~30 GB/s (H100 and H200 alike; the copies alone stream ~100 GB/s
-    a program: benchmarks/sm_rate_gpu.py). Loading in the layout made for upcasting 8-bit data (32-bit reads,
+    The SM's own work per byte holds a program to ~30 GB/s in bfloat16 (H100 and H200 alike; the copies alone
+    stream ~100 GB/s a program: benchmarks/sm_rate_gpu.py); the float16 conversion, one integer instruction fewer
+    per two values, raised that to 32.8 GB/s (H100, 33 programs). Loading in the layout made for upcasting 8-bit data (32-bit reads,
     4 values each) and moving the converted values into the WGMMA layout by a warp shuffle was slower: products of
     a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
