@@ -11,14 +11,14 @@ rows, and one split of k. A producer warpgroup copies, for each `block_k` step, 
 tile [block_n, block_k] and the activation tile [block_m, block_k] into a ring of `stages`
 shared-memory buffers (TMA, completing on one barrier per slot). Each compute warpgroup loads
 its [64, block_k] int8 rows into registers, converts them to the activations' type (exact: |v| <= 127;
-float16 by default, where x enters as x · 2^-8: BlockSizes.float16) and issues wgmma with A in registers and the activation tile as a transposed (K-major) B from shared
-memory, one wgmma per 128 inputs (a 128-byte swizzle tile of int8; decode's steps take 256
-inputs, so each weight row is read 256 contiguous bytes at a time). The float32 product of each
-scale group is multiplied by that group's per-channel scales and summed in registers; the tile is
-transposed back in registers and out [m, n] goes out through shared memory by TMA, so no
-transpose follows the kernel. With several k splits each writes a float32 partial, summed
-afterwards (decode has too few output tiles to fill 132 SMs) by a sum of slices that XLA fuses
-into the product's consumer.
+float16 by default, where x enters as x · 2^-8: BlockSizes.float16) and issues wgmma with A in registers
+and the activation tile as a transposed (K-major) B from shared memory, one wgmma per 128 inputs (a
+128-byte swizzle tile of int8; decode's steps take 256 inputs, so each weight row is read 256 contiguous
+bytes at a time). The float32 product of each scale group is multiplied by that group's per-channel
+scales and summed in registers; the tile is transposed back in registers and out [m, n] goes out
+through shared memory by TMA, so no transpose follows the kernel. With several k splits each writes
+a float32 partial, summed afterwards (decode has too few output tiles to fill 132 SMs) by a sum of
+slices that XLA fuses into the product's consumer.
 
 Stream-K (`BlockSizes.stream_k`, `_stream_k_kernel`) instead gives each of 132 programs an equal
 run of (output tile, step) units, so no wave is partial; a default only where a device kind
@@ -242,9 +242,9 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
 
     The SM's own work per byte holds a program to ~30 GB/s in bfloat16 (H100 and H200 alike; the copies alone
     stream ~100 GB/s a program: benchmarks/sm_rate_gpu.py); the float16 conversion, one integer instruction fewer
-    per two values, raised that to 32.8 GB/s (H100, 33 programs). Loading in the layout made for upcasting 8-bit data (32-bit reads,
-    4 values each) and moving the converted values into the WGMMA layout by a warp shuffle was slower: products of
-    a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
+    per two values, raised that to 32.8 GB/s (H100, 33 programs). Loading in the layout made for upcasting 8-bit
+    data (32-bit reads, 4 values each) and moving the converted values into the WGMMA layout by a warp shuffle was
+    slower: products of a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
     chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
 
