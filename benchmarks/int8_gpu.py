@@ -144,9 +144,9 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
 
 
 def parse_tiling(text: str) -> qmm_gpu.BlockSizes:
-    """"default" or "stages=6,block_n=64": the kernel's BlockSizes with these fields set."""
+    """"default" or "stages=6,block_n=64,float16=false": the kernel's BlockSizes with these fields set."""
     fields = dict(item.split("=") for item in text.split(",") if item != "default")
-    return qmm_gpu.BlockSizes(**{name: int(value) for name, value in fields.items()})
+    return qmm_gpu.BlockSizes(**{name: option_value(value) for name, value in fields.items()})
 
 
 def device_seconds(fn, args, reps: int = 20) -> float:
@@ -274,10 +274,8 @@ def main() -> None:
                 steps[name] = (step, state, inp)
                 times[name].append(t)
         seconds = {name: float(np.median(t)) for name, t in times.items()}
-        rows += kernel_variants_agree(out, {**base, "batch": batch}, steps, variants)
         for name, t in seconds.items():
             print(f"batch {batch} {name}: {t * 1e3:.3f} ms/step (median of {args.reps} alternated)", flush=True)
-        del steps
         for name in seconds:
             if name != "bfloat16":
                 rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": name},
@@ -286,25 +284,40 @@ def main() -> None:
         if "bfloat16" in seconds:
             rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": "bfloat16"},
                                "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
+        rows += kernel_variants_agree(out, {**base, "batch": batch}, steps, variants)
+        del steps
 
     print_table(rows)
 
 
+def option_value(text: str) -> bool | int | float | str:
+    """"true"/"false" as booleans, numbers as numbers, anything else as it is."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_options(text: str) -> dict:
-    """"name=true,other=3": XLA compiler options (true/false as booleans, digits as integers)."""
+    """"name=true,other=3": XLA compiler options (values as option_value reads them)."""
     options = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if not value:
             raise SystemExit(f"--compiler-options: {item!r} is not name=value")
-        options[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        options[name] = option_value(value)
     return options
 
 
 def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -> list[dict]:
     """One more step of every variant run on the Pallas kernels ("int8", "int8@..."), its logits against the first
     one's: every variant has taken the same steps from the same state, so variants that differ only in how their
-    kernels launch must agree bit for bit (a race shows up here); other tilings sum in another order."""
+    kernels launch must agree bit for bit (a race shows up here); other tilings sum in another order, and
+    float16=0 rounds the activations differently (bfloat16 operands). Runs after the timings are recorded."""
     names = [name for name in steps if name == "int8" or name.startswith("int8@")]
     logits = {}
     for name in names:

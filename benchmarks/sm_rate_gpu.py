@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--programs", default="16,33,66,99,132")
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--probe", default=",copies", help="what the programs do, comma separated: '' (the product), "
+    ap.add_argument("--probe", default=",copies", help="what the programs do, comma separated: '' (the product, bfloat16 operands), "
                                                           "'float16' (the product in float16: BlockSizes.float16), "
                                                           "'copies' (stream the tiles only)")
     ap.add_argument("--out", default="benchmarks/results/sm_rate_gpu.jsonl")

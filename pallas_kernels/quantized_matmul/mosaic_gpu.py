@@ -11,7 +11,7 @@ rows, and one split of k. A producer warpgroup copies, for each `block_k` step, 
 tile [block_n, block_k] and the activation tile [block_m, block_k] into a ring of `stages`
 shared-memory buffers (TMA, completing on one barrier per slot). Each compute warpgroup loads
 its [64, block_k] int8 rows into registers, converts them to the activations' type (exact: |v| <= 127;
-float16 by default, where x enters as x · 2^-8: BlockSizes.float16) and issues wgmma with A in registers
+float16 by default, where x enters as x · X_SHIFT: BlockSizes.float16) and issues wgmma with A in registers
 and the activation tile as a transposed (K-major) B from shared memory, one wgmma per 128 inputs (a
 128-byte swizzle tile of int8; decode's steps take 256 inputs, so each weight row is read 256 contiguous
 bytes at a time). The float32 product of each scale group is multiplied by that group's per-channel
@@ -77,11 +77,11 @@ class BlockSizes:
     # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
     # would leave more of its waves' SMs idle than stream_k_idle() (and num_splits is not given)
     programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
-    float16: bool = True  # multiply in float16: the activations enter as x · 2^-8 in float16 (bfloat16 x exactly
-    # for |x| >= 2^-9, finite below 1.6e7) and the int8 weights convert to float16 in two integer instructions per
-    # two values instead of bfloat16's three (see int8_to_float16); the scales take the 2^8 back. A program streams
-    # 11 % faster alone (32.8 against 29.5 GB/s, 33 programs), the same at 132; a 4-layer 8B decode step at batch 1
-    # was 1.5 % faster in each of 4 processes (H100, benchmarks/int8_gpu_notes.md, session 21)
+    float16: bool = True  # multiply in float16: the activations enter as x · X_SHIFT in float16 and the int8
+    # weights convert to float16 in two integer instructions per two values instead of bfloat16's three (see
+    # int8_to_float16); the scales take the shift back. A program streams 11 % faster alone (32.8 against 29.5 GB/s,
+    # 33 programs), the same at 132; a 4-layer 8B decode step at batch 1 was 1.5 % faster in each of 4 processes
+    # (H100, benchmarks/int8_gpu_notes.md, session 21)
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -191,14 +191,18 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
     return best
 
 
-X_SHIFT = 2.0 ** -8  # float16 activations are x · X_SHIFT (see BlockSizes.float16)
+# float16 activations are x · X_SHIFT (BlockSizes.float16): every bfloat16 x with 2^-13 (1.2e-4) <= |x| < 1.05e6
+# exactly, smaller ones to within 2^-21 (4.8e-7); a larger shift would reach further up (post-norm activations and
+# SiLU·up stay far below 1e6) at the price of the small values, which 2^-8 kept exact only from 2^-9.
+X_SHIFT = 2.0 ** -4
 
 
 def int8_to_float16(w: jax.Array) -> jax.Array:
     """int8 [rows, cols] in the WGMMA register layout -> float16, exactly, two values a 32-bit register: the bytes
     go under a float16 exponent of 1024 (prmt), their sign bits flip (xor: 1024 + v + 128), and one float16x2
-    subtraction of 1152 leaves v. Two integer instructions per two values, where Mosaic GPU's int8 -> bfloat16
-    takes three (bfloat16's 7-bit mantissa cannot hold a byte, so its sign bit is split off by two ands)."""
+    subtraction of 1152 leaves v: two integer instructions and a subtraction per two values, where Mosaic GPU's
+    int8 -> bfloat16 takes three and a subtraction (bfloat16's 7-bit mantissa cannot hold a byte, so the sign bit
+    is split off by two ands). Only the register's low 16 bits (the two values) are read."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
@@ -313,9 +317,9 @@ def sum_slots(parts: jax.Array, count: int) -> jax.Array:
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
             bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
-    # x_ref: [m_pad, k] bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32 scales
+    # x_ref: [m_pad, k] f16 (x · X_SHIFT) or bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32
     # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
-    # x_smem: [stages, block_m, block_k] bf16; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
+    # x_smem: [stages, block_m, block_k] like x; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
     # s_smem: [groups in a split, block_n] f32; o_smem: [compute wgs, block_m, 64]
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
     nt, split, mt, wg = (lax.axis_index(a) for a in ("n", "split", "m", "wg"))
@@ -364,7 +368,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             part = segment_product(seg * segment)
             g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
             scale = row_vec(s_smem.at[g, rows][...])
-            if bs.float16:
+            if bs.float16:  # here, not on the scales before the call: that would be a kernel of its own each call
                 scale = scale * (1 / X_SHIFT)
             return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 

@@ -208,7 +208,8 @@ def test_stream_k_matches_float64(sk_case, interpret):
     out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu", interpret=interpret,
                            block_sizes=bs, out_dtype=jnp.float32)
     want = truth(np.asarray(x.astype(jnp.float32)), values, scales)
-    # bfloat16 rows times int8 values are exact products; only the float32 sums round
+    # bfloat16 rows (exact in float16 after the shift, but for the rare |x| < 2^-13) times int8 values are exact
+    # products; only the float32 sums round
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -217,19 +218,21 @@ FLOAT16_CASES = [(8, 256, 512, None), (3, 384, 4096, None), (5, 384, 1024, True)
 
 
 @pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("float16", [True, False])
 @pytest.mark.parametrize("f16_case", FLOAT16_CASES)
-def test_float16_products_match_float64(f16_case, interpret):
-    """BlockSizes(float16=True): activations enter as x · 2^-8 in float16 (exact for these), the weights convert by
-    prmt/xor/sub on the GPU, and the scales take 2^8 back; tiny and large activations stay finite and exact."""
+def test_float16_and_bfloat16_products_match_float64(f16_case, float16, interpret):
+    """BlockSizes(float16=True) (the default): activations enter as x · X_SHIFT in float16, the weights convert by
+    prmt/xor/sub on the GPU, and the scales take the shift back: activations beyond float16's range unshifted and
+    small ones come out as exact as in bfloat16 (float16=False), against float64."""
     from pallas_kernels.quantized_matmul import mosaic_gpu
 
     m, n, k, stream_k = f16_case
     rng = np.random.default_rng(m * n)
     values, scales = random_weight(rng, n, k, k)
     x = rng.standard_normal((m, k))
-    x[0, :4] = [3e4, -2e4, 1e-3, -3e-3]  # beyond float16's range unshifted; small values
+    x[0, :4] = [3e5, -1e5, 2e-4, -3e-3]  # beyond float16's range unshifted (65504); small values
     x = jnp.asarray(x, jnp.bfloat16)
-    bs = mosaic_gpu.BlockSizes(float16=True, stream_k=stream_k, num_splits=None if stream_k else 1 if m == 8 else 4)
+    bs = mosaic_gpu.BlockSizes(float16=float16, stream_k=stream_k, num_splits=None if stream_k else 1 if m == 8 else 4)
     out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu", interpret=interpret,
                            block_sizes=bs, out_dtype=jnp.float32)
     want = truth(np.asarray(x.astype(jnp.float32)), values, scales)
