@@ -77,3 +77,52 @@ def repeated(fn: Any, n: int) -> Any:
         return jax.lax.fori_loop(0, n, body, jnp.zeros(out.shape, jnp.float32))
 
     return jax.jit(run)
+
+
+class ClockLog:
+    """Samples the GPU's SM clock (and what holds it back) with nvidia-smi every `period` seconds while the `with`
+    block runs: kernels bound by the SM's own work (the int8 products) slow down with the clock where
+    bandwidth-bound ones do not, so a ratio between the two should carry the clocks it ran at. `summary()` is None
+    where nvidia-smi is missing or gave nothing."""
+
+    QUERY = "clocks.sm,clocks_throttle_reasons.active"
+
+    def __init__(self, period: float = 1.0):
+        import threading
+
+        self.period, self.samples = period, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> tuple[int, str] | None:
+        import subprocess
+
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                                  "--id=0"], capture_output=True, text=True, timeout=10, check=True).stdout
+            mhz, reasons = (field.strip() for field in out.strip().splitlines()[0].split(","))
+            return int(mhz), reasons
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if (sample := self._sample()) is None:
+                return
+            self.samples.append(sample)
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> ClockLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.samples:
+            return None
+        mhz = [m for m, _ in self.samples]
+        return {"sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz), "samples": len(mhz),
+                "throttle_reasons": sorted({r for _, r in self.samples})}

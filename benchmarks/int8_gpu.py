@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import record, repeated, timed  # noqa: E402
+from benchmarks.common import ClockLog, record, repeated, timed  # noqa: E402
 from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
 from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
@@ -268,21 +268,26 @@ def main() -> None:
             finally:
                 qmm_gpu.DEFAULT_BLOCK_SIZES = qmm_gpu.BlockSizes()
         times = {name: [] for name in steps}
-        for _ in range(args.reps):
-            for name, (step, state, inp) in steps.items():
-                t, state = run_steps(step, variants[name], state, inp, args.steps)
-                steps[name] = (step, state, inp)
-                times[name].append(t)
+        with ClockLog() as clocks:  # the SM clock while the timings run (int8's products move with it)
+            for _ in range(args.reps):
+                for name, (step, state, inp) in steps.items():
+                    t, state = run_steps(step, variants[name], state, inp, args.steps)
+                    steps[name] = (step, state, inp)
+                    times[name].append(t)
         seconds = {name: float(np.median(t)) for name, t in times.items()}
         for name, t in seconds.items():
             print(f"batch {batch} {name}: {t * 1e3:.3f} ms/step (median of {args.reps} alternated)", flush=True)
+        config = {**base, "batch": batch}
+        if clocks.summary():
+            config["clocks"] = clocks.summary()
+            print(f"SM clock during the timings: {clocks.summary()}", flush=True)
         for name in seconds:
             if name != "bfloat16":
-                rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": name},
+                rows.append(record(out, f"int8_decode_batch{batch}", {**config, "weights": name},
                                    "tokens_per_s", batch / seconds[name], "tok/s", "bfloat16",
                                    batch / seconds["bfloat16"] if "bfloat16" in seconds else None))
         if "bfloat16" in seconds:
-            rows.append(record(out, f"int8_decode_batch{batch}", {**base, "batch": batch, "weights": "bfloat16"},
+            rows.append(record(out, f"int8_decode_batch{batch}", {**config, "weights": "bfloat16"},
                                "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
         rows += kernel_variants_agree(out, {**base, "batch": batch}, steps, variants)
         del steps
