@@ -1,5 +1,5 @@
-"""The int8 MLP on the GPU: the separate kernels (gate_up, SiLU·up in XLA, down), gate_up_silu + down (the model's
-path), and the fused kernel.
+"""The int8 MLP on the GPU: the separate kernels (gate_up, SiLU·up in XLA, down: the model's path), gate_up_silu +
+down, and the fused kernel.
 
 8B shapes (d 4096, f 14336), random int8 weights, decode rows (padded to 8 as the step passes them).
 Device time from a profile (all kernels of a call, no launch gaps), checked against float64 first.
@@ -35,7 +35,8 @@ def separate_kernels(x, r, gu, gs, dw, ds):
 
 
 def gate_up_silu_then_down(x, r, gu, gs, dw, ds):
-    """What the model runs now: gate_up with SiLU·up in its epilogue (one kernel), then the down kernel."""
+    """gate_up with SiLU·up in its epilogue (one kernel), then the down kernel (the model does not take it: see
+    quantized_mlp.mosaic_gpu.gate_up_silu)."""
     act = mosaic_gpu.gate_up_silu(x, r, gu, gs)
     return quantized_matmul(act, dw, ds, backend="mosaic_gpu", out_dtype=jnp.float32)
 

@@ -487,8 +487,9 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     bs = _resolve(block_sizes or DEFAULT_BLOCK_SIZES, m, n, k, group)
     splits, k_split = bs.num_splits, k // bs.num_splits
     m_pad = -(-m // bs.block_m) * bs.block_m
+    shift = X_SHIFT if bs.float16 else 1.0  # x enters times this; the scales take it back
     dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
-    xp = (x.astype(jnp.float32) * X_SHIFT).astype(dtype) if bs.float16 else x.astype(dtype)
+    xp = (x.astype(jnp.float32) * shift).astype(dtype)
     if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
         xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     partial = splits > 1
@@ -514,7 +515,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             grid=(bs.programs,), grid_names=("p",), num_threads=compute_wgs + 1, thread_name="wg", interpret=params,
         )
         out = sum_slots(kernel(xp, values), slots)
-        return (out[:m] * (scales[0].astype(jnp.float32) * (1 / X_SHIFT if bs.float16 else 1))).astype(out_dtype)
+        return (out[:m] * (scales[0].astype(jnp.float32) / shift)).astype(out_dtype)
     o_dtype = jnp.float32 if partial else mosaic_dtype(out_dtype)
     out_type = jax.ShapeDtypeStruct((splits, m_pad, n) if partial else (m_pad, n), o_dtype)
     kernel = plgpu.kernel(
