@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import ClockLog, record, repeated, timed  # noqa: E402
 from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
 from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
@@ -143,10 +144,12 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def parse_tiling(text: str) -> qmm_gpu.BlockSizes:
-    """"default" or "stages=6,block_n=64,float16=false": the kernel's BlockSizes with these fields set."""
+def parse_tiling(text: str) -> tuple[qmm_gpu.BlockSizes, str | None]:
+    """"default" or "stages=6,block_n=64,float16=false": the kernel's BlockSizes with these fields set, and the ring
+    step stand-in named by a field probe=... (benchmarks/ring_probes.py; None: the real ring step)."""
     fields = dict(item.split("=") for item in text.split(",") if item != "default")
-    return qmm_gpu.BlockSizes(**{name: option_value(value) for name, value in fields.items()})
+    probe = fields.pop("probe", None)
+    return qmm_gpu.BlockSizes(**{name: option_value(value) for name, value in fields.items()}), probe
 
 
 def device_seconds(fn, args, reps: int = 20) -> float:
@@ -173,14 +176,15 @@ def tiling_sweep(cfg: ModelConfig, out: str, tilings: list[str], rows: int = 8) 
     x = jax.random.normal(key, (rows, max(k for _, k, _ in shapes.values())), jnp.float32).astype(jnp.bfloat16)
     table, records = [], []
     for tiling in tilings:
-        bs = parse_tiling(tiling)
+        bs, probe = parse_tiling(tiling)
         total_s, total_bytes, parts = 0.0, 0, []
         for name, (n, k, count) in shapes.items():
             values = jax.random.randint(key, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
             scales = jnp.full((1, n), 1 / 127, jnp.float32)
             args = (jax.block_until_ready(x[:, :k]), values, scales)
             try:
-                seconds = device_seconds(jax.jit(functools.partial(qmm_gpu.quantized_matmul, block_sizes=bs)), args)
+                with ring_probes.probe(probe):  # the jit traces on its first call, inside device_seconds
+                    seconds = device_seconds(jax.jit(functools.partial(qmm_gpu.quantized_matmul, block_sizes=bs)), args)
             except Exception as e:  # noqa: BLE001  (a tiling the shape does not take)
                 print(f"  {tiling} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 total_s = float("nan")
@@ -257,9 +261,11 @@ def main() -> None:
         steps = {}  # every variant compiled first, then their timings alternate (a slow spell hits them all)
         for name, weights in variants.items():
             try:
-                if name.startswith("int8@"):  # read when the step is traced
-                    qmm_gpu.DEFAULT_BLOCK_SIZES = parse_tiling(name.split("@", 1)[1].replace("+", ","))
-                steps[name] = decode_step(cfg, weights, batch, args.context, options or None)
+                bs, probe = (parse_tiling(name.split("@", 1)[1].replace("+", ",")) if name.startswith("int8@")
+                             else (qmm_gpu.BlockSizes(), None))
+                qmm_gpu.DEFAULT_BLOCK_SIZES = bs  # read when the step is traced
+                with ring_probes.probe(probe):
+                    steps[name] = decode_step(cfg, weights, batch, args.context, options or None)
             except Exception as e:  # the other variants still run; the failure is kept with the results
                 traceback.print_exc()
                 rows.append(record(out, "int8_decode_error", {**base, "batch": batch, "weights": name,

@@ -16,30 +16,14 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import device_seconds  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
-from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: E402
-from pallas_kernels.flash_attention.mosaic_gpu import with_layout  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
-
-
-def copies_only(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool):
-    """Stands in for qmm_gpu.ring_product while `--probe copies` traces: each ring step's tiles are awaited and
-    handed back untouched (no conversion, no product), so a program streams its copies alone; the sums are zeros."""
-    def step(g, carry):
-        slot = slot_of(g)
-        plgpu.barrier_wait(tile_bar.at[slot])
-        plgpu.barrier_arrive(free_bar.at[slot])
-        return carry
-
-    lax.fori_loop(first, last, step, None)
-    zeros = jnp.zeros((qmm_gpu.ROWS, x_smem.shape[1]), jnp.float32)
-    return with_layout(zeros, plgpu.Layout.WGMMA, interpreted=interpreted)
+from pallas_kernels.quantized_matmul import quantized_matmul  # noqa: E402
 
 
 def main() -> None:
@@ -47,9 +31,10 @@ def main() -> None:
     ap.add_argument("--programs", default="16,33,66,99,132")
     ap.add_argument("--n", type=int, default=65536)
     ap.add_argument("--k", type=int, default=4096)
-    ap.add_argument("--probe", default=",copies", help="what the programs do, comma separated: '' (the product, bfloat16 operands), "
-                                                          "'float16' (the product in float16: BlockSizes.float16), "
-                                                          "'copies' (stream the tiles only)")
+    ap.add_argument("--probe", default=",copies",
+                    help="what the programs do, comma separated: '' (the product, bfloat16 operands), 'float16' (the "
+                         "product in float16: BlockSizes.float16), or a stand-in of benchmarks/ring_probes.py: "
+                         "'copies' (stream the tiles only), 's8' (int8 wgmma from shared memory)")
     ap.add_argument("--out", default="benchmarks/results/sm_rate_gpu.jsonl")
     args = ap.parse_args()
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
@@ -59,16 +44,12 @@ def main() -> None:
     scales = jnp.full((1, args.n), 1 / 127, jnp.float32)
     x = jax.random.normal(key, (8, args.k), jnp.float32).astype(jnp.bfloat16)
     lines = [f"device copy {copy / 1e9:.0f} GB/s"]
-    product = qmm_gpu.ring_product
     for probe, p in ((q, int(v)) for q in args.probe.split(",") for v in args.programs.split(",")):
         bs = qmm_gpu.BlockSizes(stream_k=True, programs=p, float16=probe == "float16")
         fn = jax.jit(lambda *a, bs=bs: quantized_matmul(*a, backend="mosaic_gpu", block_sizes=bs))
-        qmm_gpu.ring_product = copies_only if probe == "copies" else product  # read when fn traces, just below
-        try:
+        with ring_probes.probe(probe if probe in ring_probes.PROBES else None):  # fn traces just below
             t = device_seconds(fn, (x, values, scales), reps=5)
             got = fn(x, values, scales).astype(jnp.float32)
-        finally:
-            qmm_gpu.ring_product = product
         want = jnp.dot(x.astype(jnp.float32), values.astype(jnp.float32).T) * scales
         err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         rate = args.n * args.k / t

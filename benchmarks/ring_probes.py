@@ -1,0 +1,78 @@
+"""Stand-ins for the int8 matmul's ring step (`qmm_gpu.ring_product`), swapped in while a benchmark traces, to
+measure what bounds the products: each does part of the real step's work, so its products are wrong but its time
+is an upper bound on what a kernel doing that work could reach.
+
+- "copies": each ring step's tiles are awaited and handed back untouched (no conversion, no product).
+- "s8": no conversion; the int8 weight rows are wgmma's A operand straight from shared memory, times an int8 B of
+  3 × block_m columns (the weight tile's own first rows, read K-major: a stand-in for activations split into three
+  int8 parts), into an int32 accumulator. This is the main loop of a kernel whose weights never pass through
+  registers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.flash_attention.mosaic_gpu import with_layout
+from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu
+
+S8_PARTS = 3  # int8 parts a stand-in activation row has in the "s8" probe
+
+
+def copies_only(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool):
+    def step(g, carry):
+        slot = slot_of(g)
+        plgpu.barrier_wait(tile_bar.at[slot])
+        plgpu.barrier_arrive(free_bar.at[slot])
+        return carry
+
+    lax.fori_loop(first, last, step, None)
+    zeros = jnp.zeros((qmm_gpu.ROWS, x_smem.shape[1]), jnp.float32)
+    return with_layout(zeros, plgpu.Layout.WGMMA, interpreted=interpreted)
+
+
+def s8_from_smem(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool):
+    if interpreted:
+        raise NotImplementedError("the s8 probe needs the chip (or lowering for CUDA)")
+    block_m, block_k = x_smem.shape[1], x_smem.shape[2]
+    cols_b = S8_PARTS * block_m
+    chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+
+    def accumulate(acc_ref):
+        def step(g, carry):
+            slot = slot_of(g)
+            plgpu.barrier_wait(tile_bar.at[slot])
+            for cols in chunks:
+                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols],
+                            w_smem.at[slot, pl.ds(0, cols_b), cols].transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return carry
+
+        lax.fori_loop(first, last, step, None)
+        return acc_ref[...]
+
+    acc = pl.run_scoped(accumulate, plgpu.ACC((qmm_gpu.ROWS, cols_b), jnp.int32))
+    # the first block_m columns of the int32 sums, times zero: the products are used, the tile has the right form
+    return acc[:, :block_m].astype(jnp.float32) * 0.0
+
+
+PROBES = {"copies": copies_only, "s8": s8_from_smem}
+
+
+@contextlib.contextmanager
+def probe(name: str | None):
+    """While tracing inside this block, the int8 matmul's ring step is PROBES[name] (None: the real one)."""
+    if name is not None and name not in PROBES:
+        raise ValueError(f"probe={name!r}: expected one of {sorted(PROBES)}")
+    real = qmm_gpu.ring_product
+    qmm_gpu.ring_product = PROBES[name] if name else real
+    try:
+        yield
+    finally:
+        qmm_gpu.ring_product = real
