@@ -47,11 +47,16 @@ BLOCK_N, BLOCK_K, COLS = 128, 256, 8  # output rows a tile, inputs a step, B col
 PHASES = ("wo", "w_gate_up", "w_down", "wqkv")  # a layer's products in the order a decode step runs them
 
 
-def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: int):
+def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: int, barriers: bool = True,
+             reload: bool = True, b_cols: int | None = None):
     """The kernel: (weights [layers · n, k] int8 and B [8, k] int8 for each of `shapes`) -> an output [8, n]
-    float32 each (the last layer's; every layer's pieces write over the layer's before)."""
+    float32 each (the last layer's; every layer's pieces write over the layer's before). Trials: `barriers`
+    False leaves out the grid barriers (phases overlap where programs drift apart); `reload` False copies the
+    widest B once at the start and every phase reads it (no copy after each barrier); `b_cols` keeps at most
+    that many columns of B in shared memory (a phase reads them cyclically), which leaves room for a deeper ring:
+    what a kernel copying only each program's k range of B would have."""
     kinds = len(shapes)
-    k_max = max(k for _, k in shapes)
+    k_max = min(max(k for _, k in shapes), b_cols or 1 << 30)
     units = [(n // BLOCK_N) * (k // BLOCK_K) for n, k in shapes]
     fragments = [qmm_gpu.stream_k_plan(k // BLOCK_K, n // BLOCK_N, programs)[1] for n, k in shapes]
 
@@ -109,16 +114,21 @@ def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: 
                     begin, end = run_of(kind, p)
                     steps = k // BLOCK_K
 
-                    @pl.when(phase > 0)
+                    @pl.when((phase > 0) & barriers)
                     def _(phase=phase):  # every program is done with the phase before (its outputs: this one's input)
                         plgpu.semaphore_wait(arrived.at[phase - 1], 2 * programs, decrement=False,
                                              memory_scope="gpu")
 
-                    @pl.when(wg == 0)
-                    def _(kind=kind, k=k):
-                        plgpu.copy_gmem_to_smem(b_refs[kind], b_smem.at[:, pl.ds(0, k)], b_bar)
+                    widest = max(range(kinds), key=lambda i: shapes[i][1])
 
-                    plgpu.barrier_wait(b_bar)
+                    @pl.when((wg == 0) & (reload | (phase == 0)))
+                    def _(kind=kind if reload else widest):
+                        cols = min(shapes[kind][1], k_max)
+                        plgpu.copy_gmem_to_smem(b_refs[kind].at[:, pl.ds(0, cols)], b_smem.at[:, pl.ds(0, cols)], b_bar)
+
+                    @pl.when(reload | (phase == 0))
+                    def _():
+                        plgpu.barrier_wait(b_bar)
 
                     def fragment(tile, kind=kind, begin=begin, end=end, steps=steps, k=k, g0=g0):
                         @pl.when(tile <= lax.div(end - 1, steps))
@@ -130,7 +140,7 @@ def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: 
                                 def step(u, carry):
                                     slot = lax.rem(g0 + u - begin, stages)
                                     plgpu.barrier_wait(tile_bar.at[slot])
-                                    k_at = lax.rem(u, steps) * BLOCK_K
+                                    k_at = lax.rem(lax.rem(u, steps) * BLOCK_K, min(k, k_max))
                                     for c in range(0, BLOCK_K, 128):
                                         plgpu.wgmma(acc_ref, w_smem.at[slot, rows, pl.ds(c, 128)],
                                                     b_smem.at[:, pl.ds(k_at + c, 128)].transpose((1, 0)))
@@ -181,11 +191,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--programs", type=int, default=backend_lib.NUM_SMS)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--b-cols", type=int, default=0, help="columns of B kept in shared memory (0: all; see skeleton)")
+    ap.add_argument("--trial", default="", choices=["", "no-barriers", "no-reload"],
+                    help="leave out the grid barriers, or the copy of B after each one (see skeleton)")
     ap.add_argument("--out", default="benchmarks/results/layer_skeleton_gpu.jsonl")
     args = ap.parse_args()
     products = layer_products(LLAMA_8B)
     shapes = [products[name] for name in PHASES]
-    kernel = skeleton(shapes, args.layers, args.programs, args.stages)
+    kernel = skeleton(shapes, args.layers, args.programs, args.stages, barriers=args.trial != "no-barriers",
+                      reload=args.trial != "no-reload", b_cols=args.b_cols or None)
     key = jax.random.PRNGKey(0)
     weights = [jax.random.randint(key, (args.layers * n, k), -127, 128, jnp.int32).astype(jnp.int8)
                for n, k in shapes]
@@ -215,7 +229,8 @@ def main() -> None:
             f"a product {apart * 1e6:.1f} us ({total_bytes / apart / copy:.2f}, {apart / args.layers * 1e6:.1f} us a "
             f"layer); copy {copy / 1e9:.0f} GB/s")
     print(line, flush=True)
-    record(args.out, "int8_layer_skeleton", {"layers": args.layers, "programs": args.programs, "stages": args.stages},
+    record(args.out, "int8_layer_skeleton", {"layers": args.layers, "programs": args.programs, "stages": args.stages,
+                                                "trial": args.trial or None, "b_cols": args.b_cols or None},
            "seconds", fused, "s", "one int8 kernel a product (device time, chained)", apart, higher_is_better=False)
 
 

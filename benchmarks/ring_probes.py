@@ -62,7 +62,38 @@ def s8_from_smem(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     return acc[:, :block_m].astype(jnp.float32) * 0.0
 
 
-PROBES = {"copies": copies_only, "s8": s8_from_smem}
+def s8_by_chunk(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool):
+    if interpreted:
+        raise NotImplementedError("the s8chunk probe needs the chip (or lowering for CUDA)")
+    block_m, block_k = x_smem.shape[1], x_smem.shape[2]
+    cols_b = S8_PARTS * block_m
+    chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
+
+    def step(g, total):
+        slot = slot_of(g)
+        plgpu.barrier_wait(tile_bar.at[slot])
+
+        def products(*acc_refs):
+            for acc_ref, cols in zip(acc_refs, chunks):
+                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols],
+                            w_smem.at[slot, pl.ds(0, cols_b), cols].transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return [acc_ref[...] for acc_ref in acc_refs]
+
+        sums = pl.run_scoped(products, *[plgpu.ACC((qmm_gpu.ROWS, cols_b), jnp.int32) for _ in chunks])
+        for i, part in enumerate(sums):
+            scale = (g * len(chunks) + i + 1).astype(jnp.float32)  # stands in for the chunk's exponent
+            weighted = sum(part[:, j * block_m:(j + 1) * block_m].astype(jnp.float32) * float(256 ** j)
+                           for j in range(S8_PARTS))
+            total = total + weighted * scale
+        return total
+
+    zeros = with_layout(jnp.zeros((qmm_gpu.ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=False)
+    return lax.fori_loop(first, last, step, zeros) * 0.0
+
+
+PROBES = {"copies": copies_only, "s8": s8_from_smem, "s8chunk": s8_by_chunk}
 
 
 @contextlib.contextmanager
