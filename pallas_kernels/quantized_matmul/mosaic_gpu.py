@@ -82,6 +82,9 @@ class BlockSizes:
     # int8_to_float16); the scales take the shift back. A program streams 11 % faster alone (32.8 against 29.5 GB/s,
     # 33 programs), the same at 132; a 4-layer 8B decode step at batch 1 was 1.5 % faster in each of 4 processes
     # (H100, benchmarks/int8_gpu_notes.md, session 21)
+    parts: int = 0  # > 0: the activations enter as `parts` int8 parts with an exponent per 128 inputs (split_parts)
+    # and the products are int8 wgmma with the weight tile read straight from shared memory: no conversion in
+    # registers (float16 is then unused). Steps of 128 or 256 inputs; parts · block_m <= 256 (the wgmma N)
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -104,7 +107,10 @@ def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     stream-K, which applies them outside), the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
-    ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
+    x_tile = bs.block_m * bs.block_k * 2  # 16-bit activations, or int8 parts and an exponent per row and 128 inputs
+    if bs.parts:
+        x_tile = bs.parts * bs.block_m * bs.block_k + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4
+    ring = bs.stages * (x_tile + bs.block_n * bs.block_k)
     if bs.stream_k:  # no scales; float32 partials and a tile of zeros a warpgroup
         return ring + 2 * bs.block_n * bs.block_m * 4 + 8 * 2 * bs.stages + 1024
     k_split = k // bs.num_splits
@@ -132,6 +138,9 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
+    if bs.parts and (not 1 <= bs.parts <= 4 or block_k % PART_INPUTS or bs.parts * block_m > 256):
+        raise ValueError(f"parts={bs.parts} must be 0 (16-bit activations) or 1-4, with block_k={block_k} a multiple of "
+                         f"{PART_INPUTS} and parts · block_m = {bs.parts * block_m} at most 256 (the wgmma N)")
     if bs.stream_k:
         if bs.num_splits is not None:
             raise ValueError(f"stream_k divides the work by units, not k splits: num_splits={bs.num_splits} must be "
@@ -140,6 +149,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
             raise ValueError(f"stream_k takes per-channel scales (group={group} must be k={k}) and one tile of rows "
                              f"(m={m} must be at most block_m={block_m})")
         resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True, float16=bs.float16,
+                              parts=bs.parts,
                               stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=1,
                               programs=min(bs.programs or NUM_SMS, (n // block_n) * (k // block_k)))
         if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
@@ -155,7 +165,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
-    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, float16=bs.float16,
+    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, float16=bs.float16, parts=bs.parts,
                           stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, stream_k=False)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
@@ -234,7 +244,54 @@ def int8_to_float16(w: jax.Array) -> jax.Array:
     return convert(w)
 
 
-def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool) -> jax.Array:
+PART_INPUTS = 128  # inputs sharing one exponent in split_parts: one 128-byte swizzle row of int8
+
+
+def unit_columns(block_m: int) -> int:
+    """Columns of the units of one tile of rows: block_m padded to a multiple of 32, so that a step's units are a
+    multiple of 128 bytes (what Mosaic GPU copies)."""
+    return -(-block_m // 32) * 32
+
+
+def split_parts(x: jax.Array, parts: int, block_m: int, rows: int) -> tuple[jax.Array, jax.Array]:
+    """x [m, k] -> (int8 parts [rows · parts, k], float32 units [k // PART_INPUTS, rows // block_m · cols]), x's rows
+    padded with zeros to `rows` (a multiple of block_m); cols = unit_columns(block_m), of which a tile of rows uses
+    the first block_m. Each run of PART_INPUTS inputs of a row is written as
+    unit · (d_0 + 256 d_1 + ... + 256^(parts-1) d_(parts-1)) with int8 digits d_j and a power-of-two unit such that
+    the run's largest |x| is below 2^(8 · parts - 2) units: the lower digits are balanced in [-128, 127], the top one
+    within ±64. Digit d_j of row i lies at row (i // block_m · parts + j) · block_m + i % block_m, so that a tile of
+    block_m rows has its parts in parts · block_m contiguous rows.
+
+    Exactness with 3 parts: a unit is 2^-21 to 2^-22 of the run's largest |x|, so every bfloat16 value within 2^-14
+    of it is exact, and any other value (float32 mantissas, smaller values) is rounded to the unit: an error below
+    2^-22 of the run's largest. A run holding inf or nan gets a nan unit, so its products are nan. XLA fuses this
+    into whatever makes x; the kernel multiplies the parts by the int8 weights exactly (int32) and sums each run
+    times its unit in float32."""
+    m, k = x.shape
+    runs = x.astype(jnp.float32).reshape(m, k // PART_INPUTS, PART_INPUTS)
+    if rows > m:
+        runs = jnp.pad(runs, ((0, rows - m), (0, 0), (0, 0)))
+    top = jnp.max(jnp.abs(runs), axis=-1)  # [rows, runs]
+    exponent = lax.shift_right_logical(lax.bitcast_convert_type(top, jnp.int32), 23)  # top < 2^(exponent - 126)
+    shift = 8 * parts - 2  # top < 2^shift units
+    unit = lax.bitcast_convert_type(jnp.maximum(exponent - shift + 1, 1) << 23, jnp.float32)
+    unit = jnp.where(jnp.isfinite(runs).all(axis=-1), unit, jnp.nan)  # (a max need not carry a nan through)
+    q = jnp.round(runs / unit[..., None]).astype(jnp.int32)
+    digits = []
+    for _ in range(parts - 1):
+        d = ((q + 128) & 255) - 128
+        digits.append(d)
+        q = lax.shift_right_arithmetic(q - d, 8)
+    digits.append(q)
+    values = jnp.stack(digits).astype(jnp.int8)  # [parts, rows, k]
+    values = values.reshape(parts, rows // block_m, block_m, k).transpose(1, 0, 2, 3).reshape(rows * parts, k)
+    units = unit.T.reshape(k // PART_INPUTS, rows // block_m, block_m)
+    units = jnp.pad(units, ((0, 0), (0, 0), (0, unit_columns(block_m) - block_m)), constant_values=1.0)
+    return values, units.reshape(k // PART_INPUTS, -1)
+
+
+def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool,
+                 e_smem=None, parts: int = 0) -> jax.Array:
     """[64, block_m] float32: int8 weight rows `rows` times the activations, over ring steps [first, last).
 
     w_smem [stages, block_n, block_k] int8 and x_smem [stages, block_m, block_k] (both tiled + swizzled) are the
@@ -249,6 +306,9 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     per two values, raised that to 32.8 GB/s (H100, 33 programs). Loading in the layout made for upcasting 8-bit
     data (32-bit reads, 4 values each) and moving the converted values into the WGMMA layout by a warp shuffle was
     slower: products of a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
+    if e_smem is not None:
+        return _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of,
+                                   parts=parts, interpreted=interpreted)
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
     chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
 
@@ -289,6 +349,57 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
 
 
+def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of, *, parts: int,
+                        interpreted: bool) -> jax.Array:
+    """ring_product for activations in int8 parts (BlockSizes.parts, split_parts): x_smem [stages, parts · block_m,
+    block_k] int8 and e_smem [stages, block_k // PART_INPUTS, unit_columns(block_m)] float32 units. Each 128-input run is one int8
+    wgmma with both operands in shared memory (the weight rows as A, the parts K-major as B) into an int32
+    accumulator of its own; its parts' sums are then weighted (1, 256, ...), times the run's units, into the float32
+    total. No weight passes through registers."""
+    block_m, block_k = x_smem.shape[1] // parts, x_smem.shape[2]
+    chunks = [pl.ds(c, PART_INPUTS) for c in range(0, block_k, PART_INPUTS)]
+
+    def weighted(total, sums, slot, col_vec):  # total + the runs' sums of parts, each times its units
+        for c, part in enumerate(sums):
+            unit = col_vec(e_smem.at[slot, c, pl.ds(0, block_m)][...])
+            for j in range(parts):
+                scale = lax.broadcast_in_dim(unit * float(256 ** j), (ROWS, block_m), [1])
+                total = total + part[:, j * block_m:(j + 1) * block_m].astype(jnp.float32) * scale
+        return total
+
+    if interpreted:
+        def dot_step(g, total):
+            slot = slot_of(g)
+            plgpu.barrier_wait(tile_bar.at[slot])
+            sums = [lax.dot_general(w_smem.at[slot, rows, cols][...], x_smem.at[slot, :, cols][...], _CONTRACT_K,
+                                    preferred_element_type=jnp.int32) for cols in chunks]
+            total = weighted(total, sums, slot, lambda v: v)
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return total
+
+        return lax.fori_loop(first, last, dot_step, jnp.zeros((ROWS, block_m), jnp.float32))
+
+    col_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(0), interpreted=False)
+
+    def step(g, total):
+        slot = slot_of(g)
+        plgpu.barrier_wait(tile_bar.at[slot])
+
+        def products(*acc_refs):
+            for acc_ref, cols in zip(acc_refs, chunks):
+                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols], x_smem.at[slot, :, cols].transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            return [acc_ref[...] for acc_ref in acc_refs]
+
+        sums = pl.run_scoped(products, *[plgpu.ACC((ROWS, parts * block_m), jnp.int32) for _ in chunks])
+        total = weighted(total, sums, slot, col_vec)
+        plgpu.barrier_arrive(free_bar.at[slot])  # the units are read: the slot goes back
+        return total
+
+    zeros = with_layout(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=False)
+    return lax.fori_loop(first, last, step, zeros)
+
+
 def store_transposed(tile: jax.Array, ref, *, interpreted: bool) -> None:
     """outᵀ's [64, block_m] tile in registers -> ref [block_m, 64] (a ref from .at[...]) in ref's dtype: the
     registers trade pairs (one shuffle) into the transposed layout, whose stores into a transposed view of ref
@@ -315,11 +426,34 @@ def sum_slots(parts: jax.Array, count: int) -> jax.Array:
     return functools.reduce(operator.add, (parts[i] for i in range(count)))
 
 
+def copy_activations(x_ref, x_smem, slot, m_tile, k_at, bar, *, block_m: int, block_k: int) -> None:
+    """The activation tile of ring step (m_tile, k_at) into slot `slot`, completing on `bar`: x [m_pad, k] 16-bit,
+    or with BlockSizes.parts the pair (int8 parts, float32 units) of split_parts (two copies)."""
+    if isinstance(x_ref, tuple):
+        (parts_ref, units_ref), (parts_smem, units_smem) = x_ref, x_smem
+        rows = parts_smem.shape[1]
+        plgpu.copy_gmem_to_smem(parts_ref.at[pl.ds(m_tile * rows, rows), pl.ds(k_at, block_k)], parts_smem.at[slot],
+                                bar)
+        cols = units_smem.shape[2]
+        plgpu.copy_gmem_to_smem(units_ref.at[pl.ds(k_at // PART_INPUTS, block_k // PART_INPUTS),
+                                             pl.ds(m_tile * cols, cols)], units_smem.at[slot], bar)
+    else:
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m_tile * block_m, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
+                                bar)
+
+
+def ring_operands(x_smem, parts: int) -> dict:
+    """ring_product's activation operands: x_smem, or with BlockSizes.parts the parts ring and its units."""
+    return dict(x_smem=x_smem[0], e_smem=x_smem[1], parts=parts) if parts else dict(x_smem=x_smem)
+
+
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
             bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
-    # x_ref: [m_pad, k] f16 (x · X_SHIFT) or bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32
+    # x_ref: [m_pad, k] f16 (x · X_SHIFT) or bf16 activations, or (parts, units) of split_parts (BlockSizes.parts);
+    # w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32
     # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
-    # x_smem: [stages, block_m, block_k] like x; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
+    # x_smem: [stages, block_m, block_k] like x (or the parts' and units' rings); w_smem: [stages, block_n, block_k]
+    # int8 (both tiled + swizzled)
     # s_smem: [groups in a split, block_n] f32; o_smem: [compute wgs, block_m, 64]
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
     nt, split, mt, wg = (lax.axis_index(a) for a in ("n", "split", "m", "wg"))
@@ -344,8 +478,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             k_at = k0 + j * block_k
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
                                     tile_bar.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
-                                    tile_bar.at[slot])
+            copy_activations(x_ref, x_smem, slot, mt, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
             return carry
 
         lax.fori_loop(0, steps, step, None)
@@ -359,8 +492,9 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's weight rows
 
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
-            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, first + segment,
-                                lambda j: lax.rem(j, stages), interpreted=interpreted)
+            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first,
+                                last=first + segment, slot_of=lambda j: lax.rem(j, stages), interpreted=interpreted,
+                                **ring_operands(x_smem, bs.parts))
 
         plgpu.barrier_wait(s_bar)
 
@@ -368,7 +502,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             part = segment_product(seg * segment)
             g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
             scale = row_vec(s_smem.at[g, rows][...])
-            if bs.float16:  # here, not on the scales before the call: that would be a kernel of its own each call
+            if bs.float16 and not bs.parts:  # here, not on the scales before the call: a kernel of its own each call
                 scale = scale * (1 / X_SHIFT)
             return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
@@ -426,7 +560,7 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             k_at = lax.rem(u, steps) * block_k
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n), pl.ds(k_at, block_k)],
                                     w_smem.at[slot], tile_bar.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k_at, block_k)], x_smem.at[slot], tile_bar.at[slot])
+            copy_activations(x_ref, x_smem, slot, 0, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
             return carry
 
         lax.fori_loop(begin, end, step, None)
@@ -441,8 +575,9 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
         plgpu.commit_smem()
 
         def product(first, last):  # [64, block_m] f32 over units [first, last) of the ring
-            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last,
-                                lambda u: lax.rem(u - begin, stages), interpreted=interpreted)
+            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first, last=last,
+                                slot_of=lambda u: lax.rem(u - begin, stages), interpreted=interpreted,
+                                **ring_operands(x_smem, bs.parts))
 
         first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
         def fragment(tile):  # the piece of `tile` in this program's run, if any
@@ -487,18 +622,24 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     bs = _resolve(block_sizes or DEFAULT_BLOCK_SIZES, m, n, k, group)
     splits, k_split = bs.num_splits, k // bs.num_splits
     m_pad = -(-m // bs.block_m) * bs.block_m
-    shift = X_SHIFT if bs.float16 else 1.0  # x enters times this; the scales take it back
-    dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
-    xp = (x.astype(jnp.float32) * shift).astype(dtype)
-    if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
-        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+    shift = X_SHIFT if bs.float16 and not bs.parts else 1.0  # x enters times this; the scales take it back
+    int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
+    w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
+    if bs.parts:  # (int8 parts, units) and their two rings
+        xp = split_parts(x, bs.parts, bs.block_m, m_pad)
+        x_ring = (plgpu.SMEM((bs.stages, bs.parts * bs.block_m, bs.block_k), jnp.int8, transforms=w_transforms),
+                  plgpu.SMEM((bs.stages, bs.block_k // PART_INPUTS, unit_columns(bs.block_m)), jnp.float32))
+    else:
+        dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
+        xp = (x.astype(jnp.float32) * shift).astype(dtype)
+        if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
+            xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+        x_ring = plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype))
     partial = splits > 1
     compute_wgs = bs.block_n // ROWS
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
-    int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
-    w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
-    ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
-            plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms))
+    copies = 3 if bs.parts else 2  # a ring step's copies: the weight tile and the activations (parts and units)
+    ring = (x_ring, plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms))
     if bs.stream_k:
         slots, fragments = stream_k_plan(k // bs.block_k, n // bs.block_n, bs.programs)
         kernel = plgpu.kernel(
@@ -509,7 +650,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
                 *ring,
                 plgpu.SMEM((compute_wgs, bs.block_m, ROWS), jnp.float32),  # a fragment's sums
                 plgpu.SMEM((compute_wgs, bs.block_m, ROWS), jnp.float32),  # zeros
-                plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),
+                plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),
                 plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
             ),
             grid=(bs.programs,), grid_names=("p",), num_threads=compute_wgs + 1, thread_name="wg", interpret=params,
@@ -527,7 +668,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
             plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
             plgpu.Barrier(num_arrivals=1),  # the scales copied
-            plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
+            plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),  # the weight and activation copies of a step
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
         ),
         grid=(n // bs.block_n, splits, m_pad // bs.block_m),

@@ -124,6 +124,81 @@ def test_steps_of_256_inputs_match_float64(wide_case, interpret):
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
 
 
+# (m, n, k, group, fields): activations in int8 parts (BlockSizes.parts): one split or several, per-channel scales
+# or groups of 128 and 512, steps of 128 or 256 inputs, 2 or 3 parts, several tiles of rows, stream-K
+PARTS_CASES = [(1, 256, 1024, 1024, dict(num_splits=2, stages=2)), (5, 128, 1024, 1024, dict(block_k=256, stages=2)),
+               (3, 128, 512, 128, dict(block_k=128)), (8, 128, 1024, 512, dict(num_splits=4, stages=2)),
+               (12, 128, 512, 512, dict(parts=2, block_m=8, block_k=128)),
+               (2, 256, 1024, 1024, dict(stream_k=True, programs=3, stages=2))]
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("parts_case", PARTS_CASES)
+def test_int8_parts_match_float64(parts_case, interpret):
+    """Products of int8 wgmma on the activations split into int8 parts are exact up to the parts' rounding (below
+    2^-22 of each 128-input run's largest |x|): float32 output within 1e-6 of float64, across five decades of x."""
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    m, n, k, group, fields = parts_case
+    rng = np.random.default_rng(4)
+    values, scales = random_weight(rng, n, k, group)
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-6, 6, (m, k))), jnp.bfloat16)
+    bs = mosaic_gpu.BlockSizes(**{"parts": 3, **fields})
+    out = quantized_matmul(x, jnp.asarray(values), jnp.asarray(scales), backend="mosaic_gpu", interpret=interpret,
+                           block_sizes=bs, out_dtype=jnp.float32)
+    want = truth(np.asarray(x.astype(jnp.float32)), values, scales)
+    tolerance = 1e-6 if bs.parts == 3 else 1e-3  # 2 parts: 14 bits a run
+    assert np.abs(np.asarray(out) - want).max() < tolerance * np.abs(want).max()
+
+
+def test_split_parts_rebuild_x():
+    """split_parts: digits within int8 (the top one within ±64), every bfloat16 value within 2^-14 of its run's
+    largest exact, the rest within 2^-22 of it; zero runs stay zero, a run holding inf or nan gets a nan unit."""
+    from pallas_kernels.quantized_matmul.mosaic_gpu import PART_INPUTS, split_parts, unit_columns
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 4 * PART_INPUTS)) * np.exp(rng.uniform(-9, 9, (3, 4 * PART_INPUTS)))
+    x[1, :PART_INPUTS] = 0.0
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    parts, units = split_parts(jnp.asarray(x, jnp.bfloat16), 3, 8, 8)
+    assert parts.shape == (24, 4 * PART_INPUTS) and parts.dtype == jnp.int8
+    assert units.shape == (4, unit_columns(8))
+    digits = np.asarray(parts, np.int64).reshape(3, 8, -1)
+    assert np.abs(digits[2]).max() <= 64 and not digits[:, 3:].any()  # padding rows are zero
+    runs = (digits[0] + 256 * digits[1] + 65536 * digits[2]).reshape(8, 4, PART_INPUTS)
+    rebuilt = (runs * np.asarray(units, np.float64)[:, :8].T[:, :, None]).reshape(8, -1)[:3]
+    top = np.abs(x.reshape(3, 4, PART_INPUTS)).max(axis=-1, keepdims=True)
+    near = np.abs(x.reshape(3, 4, PART_INPUTS)) >= top * 2.0 ** -14
+    error = np.abs(rebuilt - x).reshape(3, 4, PART_INPUTS)
+    assert (error[near] == 0).all() and (error <= top * 2.0 ** -22).all()
+    assert (rebuilt[1, :PART_INPUTS] == 0).all()
+    bad = jnp.asarray(x, jnp.bfloat16).at[0, 5].set(jnp.inf).at[2, 3 * PART_INPUTS].set(jnp.nan)
+    _, units = split_parts(bad, 3, 8, 8)
+    assert np.isnan(np.asarray(units)[[0, 3], [0, 2]]).all() and np.isfinite(np.asarray(units)[1:3, :3]).all()
+
+
+def test_int8_parts_lower_for_cuda_on_the_8b_decode_shapes():
+    """The parts path (split grid and stream-K) on every 8B decode product at 1, 8 and 16 rows, lowered for CUDA on
+    the CPU (a step's units are at least 128 bytes: Mosaic GPU's smallest copy)."""
+    import jax
+
+    from pallas_kernels.quantized_matmul import mosaic_gpu
+
+    for stream_k in (False, True):
+        for n, k, group in [(6144, 4096, 4096), (4096, 14336, 14336), (128256, 4096, 4096), (28672, 4096, 128)]:
+            if stream_k and group != k:
+                continue
+            for rows in (1, 8, 16):
+                bs = mosaic_gpu.BlockSizes(parts=3, stream_k=stream_k)
+                shapes = [jax.ShapeDtypeStruct(s, d) for s, d in
+                          [((rows, k), jnp.bfloat16), ((n, k), jnp.int8), ((k // group, n), jnp.float32)]]
+                jax.jit(lambda x, v, s, bs=bs: mosaic_gpu.quantized_matmul(x, v, s, block_sizes=bs, interpret=False)
+                        ).trace(*shapes).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match=r"parts=3 must be 0 .* parts · block_m = 264 at most 256"):
+        mosaic_gpu.quantized_matmul(jnp.zeros((88, 256), jnp.bfloat16), jnp.zeros((128, 256), jnp.int8),
+                                    jnp.ones((1, 128), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(parts=3))
+
+
 def test_decode_rows_take_steps_of_256_inputs():
     """Up to WIDE_STEP_ROWS rows a step takes 256 inputs at 3 stages (measured faster on the H100 at 8 rows: every 8B
     decode product, the head from 93 to 99 % of a device copy); more rows, or k or scale groups that 256 does not
