@@ -108,8 +108,8 @@ def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
     x_tile = bs.block_m * bs.block_k * 2  # 16-bit activations, or int8 parts and an exponent per row and 128 inputs
-    if bs.parts:
-        x_tile = bs.parts * bs.block_m * bs.block_k + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4
+    if bs.parts:  # the float32 tile, its int8 parts and their units
+        x_tile = (4 + bs.parts) * bs.block_m * bs.block_k + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4
     ring = bs.stages * (x_tile + bs.block_n * bs.block_k)
     if bs.stream_k:  # no scales; float32 partials and a tile of zeros a warpgroup
         return ring + 2 * bs.block_n * bs.block_m * 4 + 8 * 2 * bs.stages + 1024
@@ -138,9 +138,11 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
-    if bs.parts and (not 1 <= bs.parts <= 4 or block_k % PART_INPUTS or bs.parts * block_m > 256):
+    if bs.parts and (not 1 <= bs.parts <= 4 or block_k % PART_INPUTS or bs.parts * block_m > 256
+                     or block_m * block_k % (16 * 128)):
         raise ValueError(f"parts={bs.parts} must be 0 (16-bit activations) or 1-4, with block_k={block_k} a multiple of "
-                         f"{PART_INPUTS} and parts · block_m = {bs.parts * block_m} at most 256 (the wgmma N)")
+                         f"{PART_INPUTS}, parts · block_m = {bs.parts * block_m} at most 256 (the wgmma N) and "
+                         f"block_m · block_k a multiple of 2048 (16 inputs for each of a warpgroup's threads to split)")
     if bs.stream_k:
         if bs.num_splits is not None:
             raise ValueError(f"stream_k divides the work by units, not k splits: num_splits={bs.num_splits} must be "
@@ -290,6 +292,101 @@ def split_parts(x: jax.Array, parts: int, block_m: int, rows: int) -> tuple[jax.
     return values, units.reshape(k // PART_INPUTS, -1)
 
 
+def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int) -> str:
+    """PTX of split_tile for one segment of 16 inputs per thread: thread t of the warpgroup takes segment
+    t + 128 · segment of the tile (row, 16 inputs), its run's largest |x| by shuffles among the 8 threads of the run,
+    the parts digit by digit ((q + 128) >> 8 is the next digit's q), each part's 16 bytes stored at their swizzled
+    place (128-byte rows in tiles of 8 rows × 128 inputs, the 16-byte chunk index xor the row), the unit by the run's
+    first thread. Operands: $0 the thread, $1 $2 $3 the shared addresses of the tile, the parts and the units."""
+    per_row = block_k // 16  # segments a row
+    shift = 8 * parts - 2
+    loads = "\n".join(f"ld.shared.v4.f32 {{v{4 * i}, v{4 * i + 1}, v{4 * i + 2}, v{4 * i + 3}}}, [xa+{16 * i}];"
+                       for i in range(4))
+    top = "\n".join(f"abs.f32 a, v{i}; max.NaN.f32 m, m, a;" for i in range(1, 16))
+    scale = "\n".join(f"mul.f32 v{i}, v{i}, inv; cvt.rni.s32.f32 q{i}, v{i};" for i in range(16))
+    stores = []
+    for j in range(parts):
+        pack = "\n".join(f"prmt.b32 t0, q{4 * w}, q{4 * w + 1}, 0x0040; prmt.b32 t1, q{4 * w + 2}, q{4 * w + 3}, 0x0040;"
+                          f" prmt.b32 w{w}, t0, t1, 0x5410;" for w in range(4))
+        stores.append(f"""{pack}
+            add.u32 pa, rb, {j * block_m // 8 * (block_k // 128) * 1024};
+            st.shared.v4.b32 [pa], {{w0, w1, w2, w3}};""")
+        if j < parts - 1:
+            stores.append("\n".join(f"add.s32 q{i}, q{i}, 128; shr.s32 q{i}, q{i}, 8;" for i in range(16)))
+    return f"""{{
+        .reg .u32 seg, row, c16, run, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, w0, w1, w2, w3;
+        .reg .f32 v<16>, a, m, m2, inv;
+        .reg .s32 q<16>;
+        .reg .pred p;
+        add.u32 seg, $0, {128 * segment};
+        shr.u32 row, seg, {per_row.bit_length() - 1};
+        and.b32 c16, seg, {per_row - 1};
+        shr.u32 run, c16, 3;
+        and.b32 chunk, c16, 7;
+        mad.lo.u32 xa, row, {block_k * 4}, $1;
+        mad.lo.u32 xa, c16, 64, xa;
+        {loads}
+        abs.f32 m, v0;
+        {top}
+        shfl.sync.bfly.b32 m2, m, 1, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
+        shfl.sync.bfly.b32 m2, m, 2, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
+        shfl.sync.bfly.b32 m2, m, 4, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
+        mov.b32 e, m;
+        shr.u32 e, e, 23;
+        sub.s32 ue, e, {shift - 1};
+        max.s32 ue, ue, 1;
+        shl.b32 ub, ue, 23;
+        sub.s32 ib, 254, ue;
+        shl.b32 ib, ib, 23;
+        mov.b32 inv, ib;
+        setp.eq.u32 p, e, 255;
+        @p mov.b32 ub, 0x7fc00000;
+        {scale}
+        and.b32 r8, row, 7;
+        shr.u32 rb, row, 3;
+        mad.lo.u32 rb, rb, {block_k // 128}, run;
+        shl.b32 rb, rb, 10;
+        shl.b32 t0, r8, 7;
+        add.u32 rb, rb, t0;
+        xor.b32 t0, chunk, r8;
+        shl.b32 t0, t0, 4;
+        add.u32 rb, rb, t0;
+        add.u32 rb, rb, $2;
+        {chr(10).join(stores)}
+        setp.eq.u32 p, chunk, 0;
+        mad.lo.u32 ua, run, {cols}, row;
+        shl.b32 ua, ua, 2;
+        add.u32 ua, ua, $3;
+        @p st.shared.b32 [ua], ub;
+        }}"""
+
+
+def split_tile(raw, parts_ref, units_ref, *, parts: int) -> None:
+    """The activation tile raw [block_m, block_k] float32 (shared memory, untiled) -> its int8 parts
+    parts_ref [parts · block_m, block_k] (tiled + swizzled for wgmma) and units_ref [block_k // PART_INPUTS, cols]
+    (untiled), as split_parts would make them, by the warpgroup that calls it: 16 inputs a thread, in inline PTX
+    (_split_ptx). Not interpreted: the interpreter's compute warpgroups call split_parts on the tile instead."""
+    block_m, block_k = raw.shape
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, gpu, llvm
+
+    swizzled = plgpu.RefType(transforms=(plgpu.TilingTransform((8, PART_INPUTS)), plgpu.SwizzleTransform(128)))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, plgpu.RefType()))
+    def split(ctx, raw, parts_ref, units_ref):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        address = [llvm.ptrtoint(i32, mgpu_utils.memref_ptr(r)) for r in (raw, parts_ref, units_ref)]
+        thread = arith.andi(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mgpu_utils.c(127, i32))
+        for segment in range(block_m * block_k // 16 // 128):
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [thread, *address],
+                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1]),
+                            "r,r,r,r", has_side_effects=True)
+
+    split(raw, parts_ref, units_ref)
+
+
 def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool,
                  e_smem=None, parts: int = 0) -> jax.Array:
     """[64, block_m] float32: int8 weight rows `rows` times the activations, over ring steps [first, last).
@@ -359,9 +456,9 @@ def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first,
     block_m, block_k = x_smem.shape[1] // parts, x_smem.shape[2]
     chunks = [pl.ds(c, PART_INPUTS) for c in range(0, block_k, PART_INPUTS)]
 
-    def weighted(total, sums, slot, col_vec):  # total + the runs' sums of parts, each times its units
+    def weighted(total, sums, unit_of):  # total + the runs' sums of parts, each times its run's units
         for c, part in enumerate(sums):
-            unit = col_vec(e_smem.at[slot, c, pl.ds(0, block_m)][...])
+            unit = unit_of(c)
             for j in range(parts):
                 scale = lax.broadcast_in_dim(unit * float(256 ** j), (ROWS, block_m), [1])
                 total = total + part[:, j * block_m:(j + 1) * block_m].astype(jnp.float32) * scale
@@ -373,7 +470,7 @@ def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first,
             plgpu.barrier_wait(tile_bar.at[slot])
             sums = [lax.dot_general(w_smem.at[slot, rows, cols][...], x_smem.at[slot, :, cols][...], _CONTRACT_K,
                                     preferred_element_type=jnp.int32) for cols in chunks]
-            total = weighted(total, sums, slot, lambda v: v)
+            total = weighted(total, sums, lambda c: e_smem.at[slot, c, pl.ds(0, block_m)][...])
             plgpu.barrier_arrive(free_bar.at[slot])
             return total
 
@@ -392,7 +489,7 @@ def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first,
             return [acc_ref[...] for acc_ref in acc_refs]
 
         sums = pl.run_scoped(products, *[plgpu.ACC((ROWS, parts * block_m), jnp.int32) for _ in chunks])
-        total = weighted(total, sums, slot, col_vec)
+        total = weighted(total, sums, lambda c: col_vec(e_smem.at[slot, c, pl.ds(0, block_m)][...]))
         plgpu.barrier_arrive(free_bar.at[slot])  # the units are read: the slot goes back
         return total
 
@@ -427,24 +524,62 @@ def sum_slots(parts: jax.Array, count: int) -> jax.Array:
 
 
 def copy_activations(x_ref, x_smem, slot, m_tile, k_at, bar, *, block_m: int, block_k: int) -> None:
-    """The activation tile of ring step (m_tile, k_at) into slot `slot`, completing on `bar`: x [m_pad, k] 16-bit,
-    or with BlockSizes.parts the pair (int8 parts, float32 units) of split_parts (two copies)."""
+    """The activation tile of ring step (m_tile, k_at) into slot `slot` of its ring, completing on `bar`: a 16-bit
+    tile, or with BlockSizes.parts the float32 tile that produce() splits, or (interpreted) the pair (int8 parts,
+    units) of split_parts (two copies)."""
     if isinstance(x_ref, tuple):
         (parts_ref, units_ref), (parts_smem, units_smem) = x_ref, x_smem
-        rows = parts_smem.shape[1]
+        rows, cols = parts_smem.shape[1], units_smem.shape[2]
         plgpu.copy_gmem_to_smem(parts_ref.at[pl.ds(m_tile * rows, rows), pl.ds(k_at, block_k)], parts_smem.at[slot],
                                 bar)
-        cols = units_smem.shape[2]
         plgpu.copy_gmem_to_smem(units_ref.at[pl.ds(k_at // PART_INPUTS, block_k // PART_INPUTS),
                                              pl.ds(m_tile * cols, cols)], units_smem.at[slot], bar)
-    else:
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m_tile * block_m, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
-                                bar)
+        return
+    ring = x_smem[0] if isinstance(x_smem, tuple) else x_smem
+    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m_tile * block_m, block_m), pl.ds(k_at, block_k)], ring.at[slot], bar)
 
 
-def ring_operands(x_smem, parts: int) -> dict:
-    """ring_product's activation operands: x_smem, or with BlockSizes.parts the parts ring and its units."""
-    return dict(x_smem=x_smem[0], e_smem=x_smem[1], parts=parts) if parts else dict(x_smem=x_smem)
+# registers a thread (setmaxnreg) of the producer and compute warpgroups, without and with BlockSizes.parts (whose
+# producer splits the activations: ~50 registers of PTX; its compute warpgroups hold no weights)
+PRODUCER_REGISTERS = {False: 40, True: 96}
+COMPUTE_REGISTERS = {False: 232, True: 200}
+
+
+def produce(copy, first, last, slot_of, x_smem, tile_bar, *, parts: int, interpreted: bool) -> None:
+    """The producer's loop over ring steps [first, last): copy(g) issues step g's copies. With BlockSizes.parts it
+    also splits each step's float32 activation tile into int8 parts and units once its copies have landed (one step
+    behind the copies, so the split never holds them up), makes them visible to wgmma and hands the slot to the
+    compute warpgroups on the parts barrier (x_smem is (tiles, parts, units, parts barrier)). Interpreted, x is split
+    before the kernel (split_parts) and its parts and units are copied like a 16-bit tile (copy_activations): the
+    split inside the kernel hung Mosaic GPU's interpreter (jax 0.10.2, a 2-core machine) in about half the runs,
+    wherever it ran (producer or compute warpgroups); the kernel's own split is PTX, which only the chip runs."""
+    def step(g, carry):
+        @pl.when(g < last)
+        def _():
+            copy(g)
+
+        if parts and not interpreted:
+            @pl.when(g > first)
+            def _():
+                raw, parts_ring, units_ring, parts_bar = x_smem
+                slot = slot_of(g - 1)
+                plgpu.barrier_wait(tile_bar.at[slot])
+                split_tile(raw.at[slot], parts_ring.at[slot], units_ring.at[slot], parts=parts)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(parts_bar.at[slot])
+        return carry
+
+    lax.fori_loop(first, last + (1 if parts and not interpreted else 0), step, None)
+
+
+def ring_operands(x_smem, tile_bar, parts: int) -> dict:
+    """ring_product's activation operands and the barrier a step waits on: the 16-bit ring and the copies', or with
+    BlockSizes.parts the parts ring, its units and the parts barrier (the split, which follows the copies)."""
+    if parts and len(x_smem) == 2:  # split before the kernel (interpreted)
+        return dict(x_smem=x_smem[0], e_smem=x_smem[1], parts=parts, tile_bar=tile_bar)
+    if parts:
+        return dict(x_smem=x_smem[1], e_smem=x_smem[2], parts=parts, tile_bar=x_smem[3])
+    return dict(x_smem=x_smem, tile_bar=tile_bar)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
@@ -465,10 +600,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
 
     @pl.when(wg == compute_wgs)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS[bool(bs.parts)], action="decrease")
         plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem, s_bar)
 
-        def step(j, carry):
+        def copy(j):
             slot = lax.rem(j, stages)
 
             @pl.when(j >= stages)
@@ -479,22 +614,22 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
                                     tile_bar.at[slot])
             copy_activations(x_ref, x_smem, slot, mt, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
-            return carry
 
-        lax.fori_loop(0, steps, step, None)
+        produce(copy, 0, steps, lambda j: lax.rem(j, stages), x_smem, tile_bar, parts=bs.parts,
+                interpreted=interpreted)
         drain(free_bar, stages, max(steps - stages, 0), steps)
 
     @pl.when(wg < compute_wgs)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS[bool(bs.parts)], action="increase")
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's weight rows
 
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
-            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first,
-                                last=first + segment, slot_of=lambda j: lax.rem(j, stages), interpreted=interpreted,
-                                **ring_operands(x_smem, bs.parts))
+            return ring_product(w_smem, free_bar=free_bar, rows=rows, first=first, last=first + segment,
+                                slot_of=lambda j: lax.rem(j, stages), interpreted=interpreted,
+                                **ring_operands(x_smem, tile_bar, bs.parts))
 
         plgpu.barrier_wait(s_bar)
 
@@ -547,9 +682,9 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
 
     @pl.when(wg == compute_wgs)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS[bool(bs.parts)], action="decrease")
 
-        def step(u, carry):
+        def copy(u):
             g = u - begin  # this program's ring runs on across tiles
             slot = lax.rem(g, stages)
 
@@ -561,23 +696,23 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n), pl.ds(k_at, block_k)],
                                     w_smem.at[slot], tile_bar.at[slot])
             copy_activations(x_ref, x_smem, slot, 0, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
-            return carry
 
-        lax.fori_loop(begin, end, step, None)
+        produce(copy, begin, end, lambda u: lax.rem(u - begin, stages), x_smem, tile_bar, parts=bs.parts,
+                interpreted=interpreted)
         drain(free_bar, stages, jnp.maximum(end - begin - stages, 0), end - begin)
 
     @pl.when(wg < compute_wgs)
     def _compute():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(COMPUTE_REGISTERS[bool(bs.parts)], action="increase")
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
         zeros = with_layout(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=interpreted)
         store_transposed(zeros, z_smem.at[wg], interpreted=interpreted)
         plgpu.commit_smem()
 
         def product(first, last):  # [64, block_m] f32 over units [first, last) of the ring
-            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first, last=last,
+            return ring_product(w_smem, free_bar=free_bar, rows=rows, first=first, last=last,
                                 slot_of=lambda u: lax.rem(u - begin, stages), interpreted=interpreted,
-                                **ring_operands(x_smem, bs.parts))
+                                **ring_operands(x_smem, tile_bar, bs.parts))
 
         first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
         def fragment(tile):  # the piece of `tile` in this program's run, if any
@@ -625,10 +760,19 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     shift = X_SHIFT if bs.float16 and not bs.parts else 1.0  # x enters times this; the scales take it back
     int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
     w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
-    if bs.parts:  # (int8 parts, units) and their two rings
-        xp = split_parts(x, bs.parts, bs.block_m, m_pad)
-        x_ring = (plgpu.SMEM((bs.stages, bs.parts * bs.block_m, bs.block_k), jnp.int8, transforms=w_transforms),
-                  plgpu.SMEM((bs.stages, bs.block_k // PART_INPUTS, unit_columns(bs.block_m)), jnp.float32))
+    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+    if bs.parts:
+        parts_ring = plgpu.SMEM((bs.stages, bs.parts * bs.block_m, bs.block_k), jnp.int8, transforms=w_transforms)
+        units_ring = plgpu.SMEM((bs.stages, bs.block_k // PART_INPUTS, unit_columns(bs.block_m)), jnp.float32)
+        if params is not None:  # split before the kernel (see produce)
+            xp = split_parts(x, bs.parts, bs.block_m, m_pad)
+            x_ring = (parts_ring, units_ring)
+        else:  # float32 tiles, split in the kernel: the rings of tiles, parts and units, and the split's barriers
+            xp = x.astype(jnp.float32)
+            if m_pad > m:
+                xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+            x_ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), jnp.float32), parts_ring, units_ring,
+                      plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages))
     else:
         dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
         xp = (x.astype(jnp.float32) * shift).astype(dtype)
@@ -637,8 +781,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
         x_ring = plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype))
     partial = splits > 1
     compute_wgs = bs.block_n // ROWS
-    params = backend_lib.interpret_params("mosaic_gpu", interpret)
-    copies = 3 if bs.parts else 2  # a ring step's copies: the weight tile and the activations (parts and units)
+    copies = 3 if bs.parts and params is not None else 2  # a step's copies: the weight tile and the activations
     ring = (x_ring, plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms))
     if bs.stream_k:
         slots, fragments = stream_k_plan(k // bs.block_k, n // bs.block_n, bs.programs)

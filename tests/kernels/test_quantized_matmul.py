@@ -127,8 +127,8 @@ def test_steps_of_256_inputs_match_float64(wide_case, interpret):
 # (m, n, k, group, fields): activations in int8 parts (BlockSizes.parts): one split or several, per-channel scales
 # or groups of 128 and 512, steps of 128 or 256 inputs, 2 or 3 parts, several tiles of rows, stream-K
 PARTS_CASES = [(1, 256, 1024, 1024, dict(num_splits=2, stages=2)), (5, 128, 1024, 1024, dict(block_k=256, stages=2)),
-               (3, 128, 512, 128, dict(block_k=128)), (8, 128, 1024, 512, dict(num_splits=4, stages=2)),
-               (12, 128, 512, 512, dict(parts=2, block_m=8, block_k=128)),
+               (3, 128, 512, 128, dict(block_k=128, block_m=16)), (8, 128, 1024, 512, dict(num_splits=4, stages=2)),
+               (12, 128, 512, 512, dict(parts=2, block_m=8, block_k=256, num_splits=2)),
                (2, 256, 1024, 1024, dict(stream_k=True, programs=3, stages=2))]
 
 
@@ -179,7 +179,9 @@ def test_split_parts_rebuild_x():
 
 def test_int8_parts_lower_for_cuda_on_the_8b_decode_shapes():
     """The parts path (split grid and stream-K) on every 8B decode product at 1, 8 and 16 rows, lowered for CUDA on
-    the CPU (a step's units are at least 128 bytes: Mosaic GPU's smallest copy)."""
+    the CPU with the kernel's own split (inline PTX; a step's units are at least 128 bytes: Mosaic GPU's smallest
+    copy). A tile of fewer than 2048 inputs (8 rows of 128: groups of 128) is refused by name: the split gives each
+    of a warpgroup's threads 16."""
     import jax
 
     from pallas_kernels.quantized_matmul import mosaic_gpu
@@ -188,7 +190,7 @@ def test_int8_parts_lower_for_cuda_on_the_8b_decode_shapes():
         for n, k, group in [(6144, 4096, 4096), (4096, 14336, 14336), (128256, 4096, 4096), (28672, 4096, 128)]:
             if stream_k and group != k:
                 continue
-            for rows in (1, 8, 16):
+            for rows in (1, 8, 16) if group == k else (16,):
                 bs = mosaic_gpu.BlockSizes(parts=3, stream_k=stream_k)
                 shapes = [jax.ShapeDtypeStruct(s, d) for s, d in
                           [((rows, k), jnp.bfloat16), ((n, k), jnp.int8), ((k // group, n), jnp.float32)]]
@@ -197,6 +199,9 @@ def test_int8_parts_lower_for_cuda_on_the_8b_decode_shapes():
     with pytest.raises(ValueError, match=r"parts=3 must be 0 .* parts · block_m = 264 at most 256"):
         mosaic_gpu.quantized_matmul(jnp.zeros((88, 256), jnp.bfloat16), jnp.zeros((128, 256), jnp.int8),
                                     jnp.ones((1, 128), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(parts=3))
+    with pytest.raises(ValueError, match=r"block_k=128 .* block_m · block_k a multiple of 2048"):
+        mosaic_gpu.quantized_matmul(jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((128, 512), jnp.int8),
+                                    jnp.ones((4, 128), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(parts=3))
 
 
 def test_decode_rows_take_steps_of_256_inputs():
