@@ -108,8 +108,10 @@ def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
     x_tile = bs.block_m * bs.block_k * 2  # 16-bit activations, or int8 parts and an exponent per row and 128 inputs
-    if bs.parts:  # the float32 tile, its int8 parts and their units
-        x_tile = (4 + bs.parts) * bs.block_m * bs.block_k + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4
+    if bs.parts:  # the float32 tile, and each compute warpgroup's int8 parts and their units
+        wgs = bs.block_n // ROWS
+        x_tile = 4 * bs.block_m * bs.block_k + wgs * (bs.parts * bs.block_m * bs.block_k
+                                                      + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4)
     ring = bs.stages * (x_tile + bs.block_n * bs.block_k)
     if bs.stream_k:  # no scales; float32 partials and a tile of zeros a warpgroup
         return ring + 2 * bs.block_n * bs.block_m * 4 + 8 * 2 * bs.stages + 1024
@@ -388,7 +390,7 @@ def split_tile(raw, parts_ref, units_ref, *, parts: int) -> None:
 
 
 def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool,
-                 e_smem=None, parts: int = 0) -> jax.Array:
+                 e_smem=None, parts: int = 0, raw=None) -> jax.Array:
     """[64, block_m] float32: int8 weight rows `rows` times the activations, over ring steps [first, last).
 
     w_smem [stages, block_n, block_k] int8 and x_smem [stages, block_m, block_k] (both tiled + swizzled) are the
@@ -405,7 +407,7 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     slower: products of a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
     if e_smem is not None:
         return _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of,
-                                   parts=parts, interpreted=interpreted)
+                                   parts=parts, interpreted=interpreted, raw=raw)
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
     chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
 
@@ -447,7 +449,7 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
 
 
 def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of, *, parts: int,
-                        interpreted: bool) -> jax.Array:
+                        interpreted: bool, raw=None) -> jax.Array:
     """ring_product for activations in int8 parts (BlockSizes.parts, split_parts): x_smem [stages, parts · block_m,
     block_k] int8 and e_smem [stages, block_k // PART_INPUTS, unit_columns(block_m)] float32 units. Each 128-input run is one int8
     wgmma with both operands in shared memory (the weight rows as A, the parts K-major as B) into an int32
@@ -481,6 +483,9 @@ def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first,
     def step(g, total):
         slot = slot_of(g)
         plgpu.barrier_wait(tile_bar.at[slot])
+        if raw is not None:  # this warpgroup splits the step's float32 tile into its own parts and units
+            split_tile(raw.at[slot], x_smem.at[slot], e_smem.at[slot], parts=parts)
+            plgpu.commit_smem()  # visible to wgmma (the async proxy) across the warpgroup
 
         def products(*acc_refs):
             for acc_ref, cols in zip(acc_refs, chunks):
@@ -525,8 +530,10 @@ def sum_slots(parts: jax.Array, count: int) -> jax.Array:
 
 def copy_activations(x_ref, x_smem, slot, m_tile, k_at, bar, *, block_m: int, block_k: int) -> None:
     """The activation tile of ring step (m_tile, k_at) into slot `slot` of its ring, completing on `bar`: a 16-bit
-    tile, or with BlockSizes.parts the float32 tile that produce() splits, or (interpreted) the pair (int8 parts,
-    units) of split_parts (two copies)."""
+    tile, or with BlockSizes.parts the float32 tile that the compute warpgroups split (split_tile), or (interpreted)
+    the pair (int8 parts, units) of split_parts (two copies): the split inside the kernel hung Mosaic GPU's
+    interpreter (jax 0.10.2, a 2-core machine) in about half the runs, and the kernel's own split is PTX, which only
+    the chip runs."""
     if isinstance(x_ref, tuple):
         (parts_ref, units_ref), (parts_smem, units_smem) = x_ref, x_smem
         rows, cols = parts_smem.shape[1], units_smem.shape[2]
@@ -539,47 +546,15 @@ def copy_activations(x_ref, x_smem, slot, m_tile, k_at, bar, *, block_m: int, bl
     plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m_tile * block_m, block_m), pl.ds(k_at, block_k)], ring.at[slot], bar)
 
 
-# registers a thread (setmaxnreg) of the producer and compute warpgroups, without and with BlockSizes.parts (whose
-# producer splits the activations: ~50 registers of PTX; its compute warpgroups hold no weights)
-PRODUCER_REGISTERS = {False: 40, True: 96}
-COMPUTE_REGISTERS = {False: 232, True: 200}
-
-
-def produce(copy, first, last, slot_of, x_smem, tile_bar, *, parts: int, interpreted: bool) -> None:
-    """The producer's loop over ring steps [first, last): copy(g) issues step g's copies. With BlockSizes.parts it
-    also splits each step's float32 activation tile into int8 parts and units once its copies have landed (one step
-    behind the copies, so the split never holds them up), makes them visible to wgmma and hands the slot to the
-    compute warpgroups on the parts barrier (x_smem is (tiles, parts, units, parts barrier)). Interpreted, x is split
-    before the kernel (split_parts) and its parts and units are copied like a 16-bit tile (copy_activations): the
-    split inside the kernel hung Mosaic GPU's interpreter (jax 0.10.2, a 2-core machine) in about half the runs,
-    wherever it ran (producer or compute warpgroups); the kernel's own split is PTX, which only the chip runs."""
-    def step(g, carry):
-        @pl.when(g < last)
-        def _():
-            copy(g)
-
-        if parts and not interpreted:
-            @pl.when(g > first)
-            def _():
-                raw, parts_ring, units_ring, parts_bar = x_smem
-                slot = slot_of(g - 1)
-                plgpu.barrier_wait(tile_bar.at[slot])
-                split_tile(raw.at[slot], parts_ring.at[slot], units_ring.at[slot], parts=parts)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(parts_bar.at[slot])
-        return carry
-
-    lax.fori_loop(first, last + (1 if parts and not interpreted else 0), step, None)
-
-
-def ring_operands(x_smem, tile_bar, parts: int) -> dict:
-    """ring_product's activation operands and the barrier a step waits on: the 16-bit ring and the copies', or with
-    BlockSizes.parts the parts ring, its units and the parts barrier (the split, which follows the copies)."""
-    if parts and len(x_smem) == 2:  # split before the kernel (interpreted)
-        return dict(x_smem=x_smem[0], e_smem=x_smem[1], parts=parts, tile_bar=tile_bar)
+def ring_operands(x_smem, parts: int, wg) -> dict:
+    """ring_product's activation operands: the 16-bit ring, or with BlockSizes.parts the parts and units rings of
+    compute warpgroup `wg` and the float32 tiles it splits into them (x_smem: (tiles, parts, units)), or,
+    interpreted, the rings of parts and units split before the kernel (x_smem: (parts, units))."""
+    if parts and len(x_smem) == 2:
+        return dict(x_smem=x_smem[0], e_smem=x_smem[1], parts=parts)
     if parts:
-        return dict(x_smem=x_smem[1], e_smem=x_smem[2], parts=parts, tile_bar=x_smem[3])
-    return dict(x_smem=x_smem, tile_bar=tile_bar)
+        return dict(x_smem=x_smem[1].at[wg], e_smem=x_smem[2].at[wg], raw=x_smem[0], parts=parts)
+    return dict(x_smem=x_smem)
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
@@ -600,10 +575,10 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
 
     @pl.when(wg == compute_wgs)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS[bool(bs.parts)], action="decrease")
+        plgpu.set_max_registers(40, action="decrease")
         plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(k0 // group, s_smem.shape[0]), pl.ds(n0, block_n)], s_smem, s_bar)
 
-        def copy(j):
+        def step(j, carry):
             slot = lax.rem(j, stages)
 
             @pl.when(j >= stages)
@@ -614,22 +589,22 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
                                     tile_bar.at[slot])
             copy_activations(x_ref, x_smem, slot, mt, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
+            return carry
 
-        produce(copy, 0, steps, lambda j: lax.rem(j, stages), x_smem, tile_bar, parts=bs.parts,
-                interpreted=interpreted)
+        lax.fori_loop(0, steps, step, None)
         drain(free_bar, stages, max(steps - stages, 0), steps)
 
     @pl.when(wg < compute_wgs)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGISTERS[bool(bs.parts)], action="increase")
+        plgpu.set_max_registers(232, action="increase")
         wgmma = functools.partial(with_layout, layout=plgpu.Layout.WGMMA, interpreted=interpreted)
         row_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(1), interpreted=interpreted)
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's weight rows
 
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
-            return ring_product(w_smem, free_bar=free_bar, rows=rows, first=first, last=first + segment,
-                                slot_of=lambda j: lax.rem(j, stages), interpreted=interpreted,
-                                **ring_operands(x_smem, tile_bar, bs.parts))
+            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first,
+                                last=first + segment, slot_of=lambda j: lax.rem(j, stages), interpreted=interpreted,
+                                **ring_operands(x_smem, bs.parts, wg))
 
         plgpu.barrier_wait(s_bar)
 
@@ -682,9 +657,9 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
 
     @pl.when(wg == compute_wgs)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS[bool(bs.parts)], action="decrease")
+        plgpu.set_max_registers(40, action="decrease")
 
-        def copy(u):
+        def step(u, carry):
             g = u - begin  # this program's ring runs on across tiles
             slot = lax.rem(g, stages)
 
@@ -696,23 +671,23 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n), pl.ds(k_at, block_k)],
                                     w_smem.at[slot], tile_bar.at[slot])
             copy_activations(x_ref, x_smem, slot, 0, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
+            return carry
 
-        produce(copy, begin, end, lambda u: lax.rem(u - begin, stages), x_smem, tile_bar, parts=bs.parts,
-                interpreted=interpreted)
+        lax.fori_loop(begin, end, step, None)
         drain(free_bar, stages, jnp.maximum(end - begin - stages, 0), end - begin)
 
     @pl.when(wg < compute_wgs)
     def _compute():
-        plgpu.set_max_registers(COMPUTE_REGISTERS[bool(bs.parts)], action="increase")
+        plgpu.set_max_registers(232, action="increase")
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
         zeros = with_layout(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=interpreted)
         store_transposed(zeros, z_smem.at[wg], interpreted=interpreted)
         plgpu.commit_smem()
 
         def product(first, last):  # [64, block_m] f32 over units [first, last) of the ring
-            return ring_product(w_smem, free_bar=free_bar, rows=rows, first=first, last=last,
+            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first, last=last,
                                 slot_of=lambda u: lax.rem(u - begin, stages), interpreted=interpreted,
-                                **ring_operands(x_smem, tile_bar, bs.parts))
+                                **ring_operands(x_smem, bs.parts, wg))
 
         first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
         def fragment(tile):  # the piece of `tile` in this program's run, if any
@@ -764,15 +739,17 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     if bs.parts:
         parts_ring = plgpu.SMEM((bs.stages, bs.parts * bs.block_m, bs.block_k), jnp.int8, transforms=w_transforms)
         units_ring = plgpu.SMEM((bs.stages, bs.block_k // PART_INPUTS, unit_columns(bs.block_m)), jnp.float32)
-        if params is not None:  # split before the kernel (see produce)
+        if params is not None:  # split before the kernel (see copy_activations)
             xp = split_parts(x, bs.parts, bs.block_m, m_pad)
             x_ring = (parts_ring, units_ring)
-        else:  # float32 tiles, split in the kernel: the rings of tiles, parts and units, and the split's barriers
+        else:  # float32 tiles, which each compute warpgroup splits into parts and units rings of its own
             xp = x.astype(jnp.float32)
             if m_pad > m:
                 xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-            x_ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), jnp.float32), parts_ring, units_ring,
-                      plgpu.Barrier(num_arrivals=1, num_barriers=bs.stages))
+            wgs = bs.block_n // ROWS
+            x_ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), jnp.float32),
+                      plgpu.SMEM((wgs, *parts_ring.shape), jnp.int8, transforms=w_transforms),
+                      plgpu.SMEM((wgs, *units_ring.shape), jnp.float32))
     else:
         dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
         xp = (x.astype(jnp.float32) * shift).astype(dtype)
