@@ -82,9 +82,15 @@ class BlockSizes:
     # int8_to_float16); the scales take the shift back. A program streams 11 % faster alone (32.8 against 29.5 GB/s,
     # 33 programs), the same at 132; a 4-layer 8B decode step at batch 1 was 1.5 % faster in each of 4 processes
     # (H100, benchmarks/int8_gpu_notes.md, session 21)
-    parts: int = 0  # > 0: the activations enter as `parts` int8 parts with an exponent per 128 inputs (split_parts)
-    # and the products are int8 wgmma with the weight tile read straight from shared memory: no conversion in
-    # registers (float16 is then unused). Steps of 128 or 256 inputs; parts · block_m <= 256 (the wgmma N)
+    parts: int = 0  # > 0: the activations become `parts` int8 parts with an exponent per 128 inputs (split_parts:
+    # exact sums in int32, every bfloat16 value within 2^-14 of its run's largest exact) and the products are int8
+    # wgmma with the weight tile read straight from shared memory: no weight passes through registers (float16 is
+    # then unused). Each compute warpgroup splits the step's float32 tile itself (split_tile). Not the default: on
+    # the H100 the split costs more than the conversion it replaces, per product (products of an 8B step 3.290
+    # against 2.981 ms for bfloat16 products; split by XLA before each product, the 32-layer step took 3.912
+    # against 3.741 ms). Kept as the product loop of a kernel that spans several products, which would split each
+    # activation once (benchmarks/int8_gpu_notes.md, session 22). Steps of 128 or 256 inputs, parts · block_m <=
+    # 256 (the wgmma N), block_m · block_k a multiple of 2048
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
