@@ -12,6 +12,7 @@ is an upper bound on what a kernel doing that work could reach.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -36,52 +37,38 @@ def copies_only(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, 
     return with_layout(zeros, plgpu.Layout.WGMMA, interpreted=interpreted)
 
 
-def s8_from_smem(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool):
+def s8_products(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool,
+                by_chunk: bool = False):
+    """The "s8" probe, or with by_chunk the "s8chunk" one (see the module's docstring)."""
     if interpreted:
-        raise NotImplementedError("the s8 probe needs the chip (or lowering for CUDA)")
+        raise NotImplementedError("the s8 probes need the chip (or lowering for CUDA)")
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
     cols_b = S8_PARTS * block_m
     chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
 
-    def accumulate(acc_ref):
-        def step(g, carry):
-            slot = slot_of(g)
-            plgpu.barrier_wait(tile_bar.at[slot])
-            for cols in chunks:
-                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols],
-                            w_smem.at[slot, pl.ds(0, cols_b), cols].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free_bar.at[slot])
-            return carry
-
-        lax.fori_loop(first, last, step, None)
-        return acc_ref[...]
-
-    acc = pl.run_scoped(accumulate, plgpu.ACC((qmm_gpu.ROWS, cols_b), jnp.int32))
-    # the first block_m columns of the int32 sums, times zero: the products are used, the tile has the right form
-    return acc[:, :block_m].astype(jnp.float32) * 0.0
-
-
-def s8_by_chunk(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool):
-    if interpreted:
-        raise NotImplementedError("the s8chunk probe needs the chip (or lowering for CUDA)")
-    block_m, block_k = x_smem.shape[1], x_smem.shape[2]
-    cols_b = S8_PARTS * block_m
-    chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
-
-    def step(g, total):
+    def products(g, acc_of):  # step g's wgmmas, chunk i into acc_of(i); then the slot goes back
         slot = slot_of(g)
         plgpu.barrier_wait(tile_bar.at[slot])
+        for i, cols in enumerate(chunks):
+            plgpu.wgmma(acc_of(i), w_smem.at[slot, rows, cols], w_smem.at[slot, pl.ds(0, cols_b), cols].transpose((1, 0)))
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(free_bar.at[slot])
 
-        def products(*acc_refs):
-            for acc_ref, cols in zip(acc_refs, chunks):
-                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols],
-                            w_smem.at[slot, pl.ds(0, cols_b), cols].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free_bar.at[slot])
+    if not by_chunk:  # one int32 accumulator through the whole loop
+        def accumulate(acc_ref):
+            lax.fori_loop(first, last, lambda g, carry: products(g, lambda i: acc_ref), None)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((qmm_gpu.ROWS, cols_b), jnp.int32))
+        # the first block_m columns of the int32 sums, times zero: the products are used, the tile has its form
+        return acc[:, :block_m].astype(jnp.float32) * 0.0
+
+    def step(g, total):  # each chunk into an accumulator of its own, then scaled into the float32 total
+        def chunk_sums(*acc_refs):
+            products(g, lambda i: acc_refs[i])
             return [acc_ref[...] for acc_ref in acc_refs]
 
-        sums = pl.run_scoped(products, *[plgpu.ACC((qmm_gpu.ROWS, cols_b), jnp.int32) for _ in chunks])
+        sums = pl.run_scoped(chunk_sums, *[plgpu.ACC((qmm_gpu.ROWS, cols_b), jnp.int32) for _ in chunks])
         for i, part in enumerate(sums):
             scale = (g * len(chunks) + i + 1).astype(jnp.float32)  # stands in for the chunk's exponent
             weighted = sum(part[:, j * block_m:(j + 1) * block_m].astype(jnp.float32) * float(256 ** j)
@@ -93,7 +80,7 @@ def s8_by_chunk(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, 
     return lax.fori_loop(first, last, step, zeros) * 0.0
 
 
-PROBES = {"copies": copies_only, "s8": s8_from_smem, "s8chunk": s8_by_chunk}
+PROBES = {"copies": copies_only, "s8": s8_products, "s8chunk": functools.partial(s8_products, by_chunk=True)}
 
 
 @contextlib.contextmanager
