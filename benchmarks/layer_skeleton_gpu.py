@@ -51,7 +51,9 @@ def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: 
              reload: bool = True, b_cols: int | None = None):
     """The kernel: (weights [layers · n, k] int8 and B [8, k] int8 for each of `shapes`) -> an output [8, n]
     float32 each (the last layer's; every layer's pieces write over the layer's before). Trials: `barriers`
-    False leaves out the grid barriers (phases overlap where programs drift apart); `reload` False copies the
+    False leaves out the grid barriers (phases overlap where programs drift apart; it may also hang: warpgroup 0 can
+    complete B's barrier for the next phase before warpgroup 1 has waited on this one's, which then waits on the
+    wrong phase; it did not in the runs of session 22); `reload` False copies the
     widest B once at the start and every phase reads it (no copy after each barrier); `b_cols` keeps at most
     that many columns of B in shared memory (a phase reads them cyclically), which leaves room for a deeper ring:
     what a kernel copying only each program's k range of B would have."""
@@ -196,6 +198,11 @@ def main() -> None:
                     help="leave out the grid barriers, or the copy of B after each one (see skeleton)")
     ap.add_argument("--out", default="benchmarks/results/layer_skeleton_gpu.jsonl")
     args = ap.parse_args()
+    if args.b_cols % BLOCK_K:
+        ap.error(f"--b-cols must be a multiple of {BLOCK_K} (a step's inputs), got {args.b_cols}")
+    if not 1 <= args.programs <= backend_lib.NUM_SMS:
+        ap.error(f"--programs must be 1-{backend_lib.NUM_SMS}: a grid barrier needs every program resident (one an "
+                 f"SM), got {args.programs}")
     products = layer_products(LLAMA_8B)
     shapes = [products[name] for name in PHASES]
     kernel = skeleton(shapes, args.layers, args.programs, args.stages, barriers=args.trial != "no-barriers",

@@ -7,6 +7,10 @@ is an upper bound on what a kernel doing that work could reach.
   3 × block_m columns (the weight tile's own first rows, read K-major: a stand-in for activations split into three
   int8 parts), into an int32 accumulator. This is the main loop of a kernel whose weights never pass through
   registers.
+- "s8chunk": "s8" with each 128-input run's sums taken out of an int32 accumulator of its own once the step's
+  products are done: its three parts converted, weighted (1, 256, 65536) and scaled by a per-run factor into a
+  float32 total. This is the loop of activations split into int8 parts with an exponent per 128 inputs
+  (BlockSizes.parts), found where they are made instead of by a reduction over a whole row.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def copies_only(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, 
 
 def s8_products(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool,
                 by_chunk: bool = False):
-    """The "s8" probe, or with by_chunk the "s8chunk" one (see the module's docstring)."""
+    """The "s8" probe, or with by_chunk the "s8chunk" one (both described in the module's docstring)."""
     if interpreted:
         raise NotImplementedError("the s8 probes need the chip (or lowering for CUDA)")
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]

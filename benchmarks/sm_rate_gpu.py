@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--probe", default=",copies",
                     help="what the programs do, comma separated: '' (the product, bfloat16 operands), 'float16' (the "
                          "product in float16: BlockSizes.float16), or a stand-in of benchmarks/ring_probes.py: "
-                         "'copies' (stream the tiles only), 's8' (int8 wgmma from shared memory)")
+                         "'copies' (stream the tiles only), 's8' (int8 wgmma from shared memory), 's8chunk' (s8 with an "
+                         "int32 accumulator a 128-input run, scaled into float32)")
     ap.add_argument("--out", default="benchmarks/results/sm_rate_gpu.jsonl")
     args = ap.parse_args()
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)

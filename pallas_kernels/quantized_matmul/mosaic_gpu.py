@@ -83,14 +83,14 @@ class BlockSizes:
     # 33 programs), the same at 132; a 4-layer 8B decode step at batch 1 was 1.5 % faster in each of 4 processes
     # (H100, benchmarks/int8_gpu_notes.md, session 21)
     parts: int = 0  # > 0: the activations become `parts` int8 parts with an exponent per 128 inputs (split_parts:
-    # exact sums in int32, every bfloat16 value within 2^-14 of its run's largest exact) and the products are int8
+    # exact sums in int32; with 3 parts every bfloat16 value within 2^-14 of its run's largest exact) and the products are int8
     # wgmma with the weight tile read straight from shared memory: no weight passes through registers (float16 is
     # then unused). Each compute warpgroup splits the step's float32 tile itself (split_tile). Not the default: on
     # the H100 the split costs more than the conversion it replaces, per product (products of an 8B step 3.290
     # against 2.981 ms for bfloat16 products; split by XLA before each product, the 32-layer step took 3.912
     # against 3.741 ms). Kept as the product loop of a kernel that spans several products, which would split each
-    # activation once (benchmarks/int8_gpu_notes.md, session 22). Steps of 128 or 256 inputs, parts · block_m <=
-    # 256 (the wgmma N), block_m · block_k a multiple of 2048
+    # activation once (benchmarks/int8_gpu_notes.md, session 22). Steps of 128 or 256 inputs, parts · block_m an
+    # int8 wgmma N, block_m · block_k a multiple of 2048
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -113,12 +113,13 @@ def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     stream-K, which applies them outside), the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
-    x_tile = bs.block_m * bs.block_k * 2  # 16-bit activations, or int8 parts and an exponent per row and 128 inputs
-    if bs.parts:  # the float32 tile, and each compute warpgroup's int8 parts and their units
-        wgs = bs.block_n // ROWS
-        x_tile = 4 * bs.block_m * bs.block_k + wgs * (bs.parts * bs.block_m * bs.block_k
+    x_tile = bs.block_m * bs.block_k * 2  # 16-bit activations (with BlockSizes.parts: float32, and the parts below)
+    parts = 0
+    if bs.parts:  # the float32 tile, and PARTS_SLOTS of each compute warpgroup's int8 parts and their units
+        x_tile = 4 * bs.block_m * bs.block_k
+        parts = PARTS_SLOTS * (bs.block_n // ROWS) * (bs.parts * bs.block_m * bs.block_k
                                                       + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4)
-    ring = bs.stages * (x_tile + bs.block_n * bs.block_k)
+    ring = bs.stages * (x_tile + bs.block_n * bs.block_k) + parts
     if bs.stream_k:  # no scales; float32 partials and a tile of zeros a warpgroup
         return ring + 2 * bs.block_n * bs.block_m * 4 + 8 * 2 * bs.stages + 1024
     k_split = k // bs.num_splits
@@ -146,11 +147,13 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
-    if bs.parts and (not 1 <= bs.parts <= 4 or block_k % PART_INPUTS or bs.parts * block_m > 256
+    wgmma_n = bs.parts * block_m
+    if bs.parts and (not 1 <= bs.parts <= 4 or block_k % PART_INPUTS or wgmma_n > 256 or (wgmma_n > 32 and wgmma_n % 16)
                      or block_m * block_k % (16 * 128)):
         raise ValueError(f"parts={bs.parts} must be 0 (16-bit activations) or 1-4, with block_k={block_k} a multiple of "
-                         f"{PART_INPUTS}, parts · block_m = {bs.parts * block_m} at most 256 (the wgmma N) and "
-                         f"block_m · block_k a multiple of 2048 (16 inputs for each of a warpgroup's threads to split)")
+                         f"{PART_INPUTS}, parts · block_m = {wgmma_n} an int8 wgmma N (8-32 by 8, then by 16 to 256) "
+                         f"and block_m · block_k a multiple of 2048 (16 inputs for each of a warpgroup's threads to "
+                         "split)")
     if bs.stream_k:
         if bs.num_splits is not None:
             raise ValueError(f"stream_k divides the work by units, not k splits: num_splits={bs.num_splits} must be "
@@ -255,6 +258,7 @@ def int8_to_float16(w: jax.Array) -> jax.Array:
 
 
 PART_INPUTS = 128  # inputs sharing one exponent in split_parts: one 128-byte swizzle row of int8
+PARTS_SLOTS = 2  # a compute warpgroup's parts and units buffers: a step's are written, multiplied and read in the step
 
 
 def unit_columns(block_m: int) -> int:
@@ -274,9 +278,10 @@ def split_parts(x: jax.Array, parts: int, block_m: int, rows: int) -> tuple[jax.
 
     Exactness with 3 parts: a unit is 2^-21 to 2^-22 of the run's largest |x|, so every bfloat16 value within 2^-14
     of it is exact, and any other value (float32 mantissas, smaller values) is rounded to the unit: an error below
-    2^-22 of the run's largest. A run holding inf or nan gets a nan unit, so its products are nan. XLA fuses this
-    into whatever makes x; the kernel multiplies the parts by the int8 weights exactly (int32) and sums each run
-    times its unit in float32."""
+    2^-22 of the run's largest (for runs whose largest |x| is below 2^-104 the unit stays at 2^-126, an error below
+    2^-127). Each part fewer moves both bounds by 2^8. A run holding inf or nan gets a nan unit, so its products
+    are nan. XLA fuses this into whatever makes x; the kernel multiplies the parts by the int8 weights exactly
+    (int32) and sums each run times its unit in float32."""
     m, k = x.shape
     runs = x.astype(jnp.float32).reshape(m, k // PART_INPUTS, PART_INPUTS)
     if rows > m:
@@ -489,18 +494,20 @@ def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first,
     def step(g, total):
         slot = slot_of(g)
         plgpu.barrier_wait(tile_bar.at[slot])
-        if raw is not None:  # this warpgroup splits the step's float32 tile into its own parts and units
-            split_tile(raw.at[slot], x_smem.at[slot], e_smem.at[slot], parts=parts)
+        own = slot
+        if raw is not None:  # this warpgroup splits the step's float32 tile into parts and units of its own
+            own = lax.rem(g, PARTS_SLOTS)
+            split_tile(raw.at[slot], x_smem.at[own], e_smem.at[own], parts=parts)
             plgpu.commit_smem()  # visible to wgmma (the async proxy) across the warpgroup
 
         def products(*acc_refs):
             for acc_ref, cols in zip(acc_refs, chunks):
-                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols], x_smem.at[slot, :, cols].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols], x_smem.at[own, :, cols].transpose((1, 0)))
             plgpu.wgmma_wait(0)
             return [acc_ref[...] for acc_ref in acc_refs]
 
         sums = pl.run_scoped(products, *[plgpu.ACC((ROWS, parts * block_m), jnp.int32) for _ in chunks])
-        total = weighted(total, sums, lambda c: col_vec(e_smem.at[slot, c, pl.ds(0, block_m)][...]))
+        total = weighted(total, sums, lambda c: col_vec(e_smem.at[own, c, pl.ds(0, block_m)][...]))
         plgpu.barrier_arrive(free_bar.at[slot])  # the units are read: the slot goes back
         return total
 
@@ -754,8 +761,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
                 xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
             wgs = bs.block_n // ROWS
             x_ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), jnp.float32),
-                      plgpu.SMEM((wgs, *parts_ring.shape), jnp.int8, transforms=w_transforms),
-                      plgpu.SMEM((wgs, *units_ring.shape), jnp.float32))
+                      plgpu.SMEM((wgs, PARTS_SLOTS, *parts_ring.shape[1:]), jnp.int8, transforms=w_transforms),
+                      plgpu.SMEM((wgs, PARTS_SLOTS, *units_ring.shape[1:]), jnp.float32))
     else:
         dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
         xp = (x.astype(jnp.float32) * shift).astype(dtype)

@@ -179,9 +179,9 @@ def test_split_parts_rebuild_x():
 
 def test_int8_parts_lower_for_cuda_on_the_8b_decode_shapes():
     """The parts path (split grid and stream-K) on every 8B decode product at 1, 8 and 16 rows, lowered for CUDA on
-    the CPU with the kernel's own split (inline PTX; a step's units are at least 128 bytes: Mosaic GPU's smallest
-    copy). A tile of fewer than 2048 inputs (8 rows of 128: groups of 128) is refused by name: the split gives each
-    of a warpgroup's threads 16."""
+    the CPU with the kernel's own split (inline PTX, which only ptxas on the chip's run assembles). A tile of fewer
+    than 2048 inputs (8 rows of 128: groups of 128) is refused by name: the split gives each of a warpgroup's threads
+    16; so is a wgmma N that int8 wgmma lacks (72 = 3 parts of 24 rows)."""
     import jax
 
     from pallas_kernels.quantized_matmul import mosaic_gpu
@@ -196,8 +196,11 @@ def test_int8_parts_lower_for_cuda_on_the_8b_decode_shapes():
                           [((rows, k), jnp.bfloat16), ((n, k), jnp.int8), ((k // group, n), jnp.float32)]]
                 jax.jit(lambda x, v, s, bs=bs: mosaic_gpu.quantized_matmul(x, v, s, block_sizes=bs, interpret=False)
                         ).trace(*shapes).lower(lowering_platforms=("cuda",))
-    with pytest.raises(ValueError, match=r"parts=3 must be 0 .* parts · block_m = 264 at most 256"):
+    with pytest.raises(ValueError, match=r"parts=3 must be 0 .* parts · block_m = 264 an int8 wgmma N"):
         mosaic_gpu.quantized_matmul(jnp.zeros((88, 256), jnp.bfloat16), jnp.zeros((128, 256), jnp.int8),
+                                    jnp.ones((1, 128), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(parts=3))
+    with pytest.raises(ValueError, match=r"parts · block_m = 72 an int8 wgmma N"):
+        mosaic_gpu.quantized_matmul(jnp.zeros((24, 512), jnp.bfloat16), jnp.zeros((128, 512), jnp.int8),
                                     jnp.ones((1, 128), jnp.float32), block_sizes=mosaic_gpu.BlockSizes(parts=3))
     with pytest.raises(ValueError, match=r"block_k=128 .* block_m · block_k a multiple of 2048"):
         mosaic_gpu.quantized_matmul(jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((128, 512), jnp.int8),
