@@ -9,8 +9,9 @@ is an upper bound on what a kernel doing that work could reach.
   registers.
 - "s8chunk": "s8" with each 128-input run's sums taken out of an int32 accumulator of its own once the step's
   products are done: its three parts converted, weighted (1, 256, 65536) and scaled by a per-run factor into a
-  float32 total. This is the loop of activations split into int8 parts with an exponent per 128 inputs
-  (BlockSizes.parts), found where they are made instead of by a reduction over a whole row.
+  float32 total. This is the loop of activations split into int8 parts with an exponent per 128 inputs, found
+  where they are made instead of by a reduction over a whole row (a kernel of that kind was built and measured in
+  session 22, slower per product, and removed: benchmarks/int8_gpu_notes.md).
 """
 
 from __future__ import annotations

@@ -82,15 +82,6 @@ class BlockSizes:
     # int8_to_float16); the scales take the shift back. A program streams 11 % faster alone (32.8 against 29.5 GB/s,
     # 33 programs), the same at 132; a 4-layer 8B decode step at batch 1 was 1.5 % faster in each of 4 processes
     # (H100, benchmarks/int8_gpu_notes.md, session 21)
-    parts: int = 0  # > 0: the activations become `parts` int8 parts with an exponent per 128 inputs (split_parts:
-    # exact sums in int32; with 3 parts every bfloat16 value within 2^-14 of its run's largest exact) and the products are int8
-    # wgmma with the weight tile read straight from shared memory: no weight passes through registers (float16 is
-    # then unused). Each compute warpgroup splits the step's float32 tile itself (split_tile). Not the default: on
-    # the H100 the split costs more than the conversion it replaces, per product (products of an 8B step 3.290
-    # against 2.981 ms for bfloat16 products; split by XLA before each product, the 32-layer step took 3.912
-    # against 3.741 ms). Kept as the product loop of a kernel that spans several products, which would split each
-    # activation once (benchmarks/int8_gpu_notes.md, session 22). Steps of 128 or 256 inputs, parts · block_m an
-    # int8 wgmma N, block_m · block_k a multiple of 2048
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
@@ -113,13 +104,7 @@ def smem_bytes(bs: BlockSizes, k: int, group: int) -> int:
     stream-K, which applies them outside), the output
     tile (float32 partials when k is split), the barriers, and up to 1 KiB of alignment between buffers (the
     lowering counted 496 bytes more than the buffers alone at 128 rows)."""
-    x_tile = bs.block_m * bs.block_k * 2  # 16-bit activations (with BlockSizes.parts: float32, and the parts below)
-    parts = 0
-    if bs.parts:  # the float32 tile, and PARTS_SLOTS of each compute warpgroup's int8 parts and their units
-        x_tile = 4 * bs.block_m * bs.block_k
-        parts = PARTS_SLOTS * (bs.block_n // ROWS) * (bs.parts * bs.block_m * bs.block_k
-                                                      + bs.block_k // PART_INPUTS * unit_columns(bs.block_m) * 4)
-    ring = bs.stages * (x_tile + bs.block_n * bs.block_k) + parts
+    ring = bs.stages * (bs.block_m * bs.block_k * 2 + bs.block_n * bs.block_k)
     if bs.stream_k:  # no scales; float32 partials and a tile of zeros a warpgroup
         return ring + 2 * bs.block_n * bs.block_m * 4 + 8 * 2 * bs.stages + 1024
     k_split = k // bs.num_splits
@@ -147,13 +132,6 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
         raise ValueError(f"block_k={block_k} must be 64, 128 or 256 and divide k={k} and the scale group {group}")
     if block_m % ROW_MULTIPLE or not ROW_MULTIPLE <= block_m <= 256:
         raise ValueError(f"block_m={block_m} must be a multiple of {ROW_MULTIPLE} in [{ROW_MULTIPLE}, 256] (the wgmma N)")
-    wgmma_n = bs.parts * block_m
-    if bs.parts and (not 1 <= bs.parts <= 4 or block_k % PART_INPUTS or wgmma_n > 256 or (wgmma_n > 32 and wgmma_n % 16)
-                     or block_m * block_k % (16 * 128)):
-        raise ValueError(f"parts={bs.parts} must be 0 (16-bit activations) or 1-4, with block_k={block_k} a multiple of "
-                         f"{PART_INPUTS}, parts · block_m = {wgmma_n} an int8 wgmma N (8-32 by 8, then by 16 to 256) "
-                         f"and block_m · block_k a multiple of 2048 (16 inputs for each of a warpgroup's threads to "
-                         "split)")
     if bs.stream_k:
         if bs.num_splits is not None:
             raise ValueError(f"stream_k divides the work by units, not k splits: num_splits={bs.num_splits} must be "
@@ -162,7 +140,6 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
             raise ValueError(f"stream_k takes per-channel scales (group={group} must be k={k}) and one tile of rows "
                              f"(m={m} must be at most block_m={block_m})")
         resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True, float16=bs.float16,
-                              parts=bs.parts,
                               stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=1,
                               programs=min(bs.programs or NUM_SMS, (n // block_n) * (k // block_k)))
         if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
@@ -178,7 +155,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
         raise ValueError(f"num_splits={splits} must cut k={k} into multiples of block_k={block_k} that hold whole "
                          f"scale groups of {group} or lie inside one")
-    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, float16=bs.float16, parts=bs.parts,
+    resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, float16=bs.float16,
                           stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=splits, stream_k=False)
     while bs.stages is None and resolved.stages > 2 and smem_bytes(resolved, k, group) > SMEM_BYTES:
         resolved = dataclasses.replace(resolved, stages=resolved.stages - 1)
@@ -257,151 +234,7 @@ def int8_to_float16(w: jax.Array) -> jax.Array:
     return convert(w)
 
 
-PART_INPUTS = 128  # inputs sharing one exponent in split_parts: one 128-byte swizzle row of int8
-PARTS_SLOTS = 2  # a compute warpgroup's parts and units buffers: a step's are written, multiplied and read in the step
-
-
-def unit_columns(block_m: int) -> int:
-    """Columns of the units of one tile of rows: block_m padded to a multiple of 32, so that a step's units are a
-    multiple of 128 bytes (what Mosaic GPU copies)."""
-    return -(-block_m // 32) * 32
-
-
-def split_parts(x: jax.Array, parts: int, block_m: int, rows: int) -> tuple[jax.Array, jax.Array]:
-    """x [m, k] -> (int8 parts [rows · parts, k], float32 units [k // PART_INPUTS, rows // block_m · cols]), x's rows
-    padded with zeros to `rows` (a multiple of block_m); cols = unit_columns(block_m), of which a tile of rows uses
-    the first block_m. Each run of PART_INPUTS inputs of a row is written as
-    unit · (d_0 + 256 d_1 + ... + 256^(parts-1) d_(parts-1)) with int8 digits d_j and a power-of-two unit such that
-    the run's largest |x| is below 2^(8 · parts - 2) units: the lower digits are balanced in [-128, 127], the top one
-    within ±64. Digit d_j of row i lies at row (i // block_m · parts + j) · block_m + i % block_m, so that a tile of
-    block_m rows has its parts in parts · block_m contiguous rows.
-
-    Exactness with 3 parts: a unit is 2^-21 to 2^-22 of the run's largest |x|, so every bfloat16 value within 2^-14
-    of it is exact, and any other value (float32 mantissas, smaller values) is rounded to the unit: an error below
-    2^-22 of the run's largest (for runs whose largest |x| is below 2^-104 the unit stays at 2^-126, an error below
-    2^-127). Each part fewer moves both bounds by 2^8. A run holding inf or nan gets a nan unit, so its products
-    are nan. XLA fuses this into whatever makes x; the kernel multiplies the parts by the int8 weights exactly
-    (int32) and sums each run times its unit in float32."""
-    m, k = x.shape
-    runs = x.astype(jnp.float32).reshape(m, k // PART_INPUTS, PART_INPUTS)
-    if rows > m:
-        runs = jnp.pad(runs, ((0, rows - m), (0, 0), (0, 0)))
-    top = jnp.max(jnp.abs(runs), axis=-1)  # [rows, runs]
-    exponent = lax.shift_right_logical(lax.bitcast_convert_type(top, jnp.int32), 23)  # top < 2^(exponent - 126)
-    shift = 8 * parts - 2  # top < 2^shift units
-    unit = lax.bitcast_convert_type(jnp.maximum(exponent - shift + 1, 1) << 23, jnp.float32)
-    unit = jnp.where(jnp.isfinite(runs).all(axis=-1), unit, jnp.nan)  # (a max need not carry a nan through)
-    q = jnp.round(runs / unit[..., None]).astype(jnp.int32)
-    digits = []
-    for _ in range(parts - 1):
-        d = ((q + 128) & 255) - 128
-        digits.append(d)
-        q = lax.shift_right_arithmetic(q - d, 8)
-    digits.append(q)
-    values = jnp.stack(digits).astype(jnp.int8)  # [parts, rows, k]
-    values = values.reshape(parts, rows // block_m, block_m, k).transpose(1, 0, 2, 3).reshape(rows * parts, k)
-    units = unit.T.reshape(k // PART_INPUTS, rows // block_m, block_m)
-    units = jnp.pad(units, ((0, 0), (0, 0), (0, unit_columns(block_m) - block_m)), constant_values=1.0)
-    return values, units.reshape(k // PART_INPUTS, -1)
-
-
-def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int) -> str:
-    """PTX of split_tile for one segment of 16 inputs per thread: thread t of the warpgroup takes segment
-    t + 128 · segment of the tile (row, 16 inputs), its run's largest |x| by shuffles among the 8 threads of the run,
-    the parts digit by digit ((q + 128) >> 8 is the next digit's q), each part's 16 bytes stored at their swizzled
-    place (128-byte rows in tiles of 8 rows × 128 inputs, the 16-byte chunk index xor the row), the unit by the run's
-    first thread. Operands: $0 the thread, $1 $2 $3 the shared addresses of the tile, the parts and the units."""
-    per_row = block_k // 16  # segments a row
-    shift = 8 * parts - 2
-    loads = "\n".join(f"ld.shared.v4.f32 {{v{4 * i}, v{4 * i + 1}, v{4 * i + 2}, v{4 * i + 3}}}, [xa+{16 * i}];"
-                       for i in range(4))
-    top = "\n".join(f"abs.f32 a, v{i}; max.NaN.f32 m, m, a;" for i in range(1, 16))
-    scale = "\n".join(f"mul.f32 v{i}, v{i}, inv; cvt.rni.s32.f32 q{i}, v{i};" for i in range(16))
-    stores = []
-    for j in range(parts):
-        pack = "\n".join(f"prmt.b32 t0, q{4 * w}, q{4 * w + 1}, 0x0040; prmt.b32 t1, q{4 * w + 2}, q{4 * w + 3}, 0x0040;"
-                          f" prmt.b32 w{w}, t0, t1, 0x5410;" for w in range(4))
-        stores.append(f"""{pack}
-            add.u32 pa, rb, {j * block_m // 8 * (block_k // 128) * 1024};
-            st.shared.v4.b32 [pa], {{w0, w1, w2, w3}};""")
-        if j < parts - 1:
-            stores.append("\n".join(f"add.s32 q{i}, q{i}, 128; shr.s32 q{i}, q{i}, 8;" for i in range(16)))
-    return f"""{{
-        .reg .u32 seg, row, c16, run, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, w0, w1, w2, w3;
-        .reg .f32 v<16>, a, m, m2, inv;
-        .reg .s32 q<16>;
-        .reg .pred p;
-        add.u32 seg, $0, {128 * segment};
-        shr.u32 row, seg, {per_row.bit_length() - 1};
-        and.b32 c16, seg, {per_row - 1};
-        shr.u32 run, c16, 3;
-        and.b32 chunk, c16, 7;
-        mad.lo.u32 xa, row, {block_k * 4}, $1;
-        mad.lo.u32 xa, c16, 64, xa;
-        {loads}
-        abs.f32 m, v0;
-        {top}
-        shfl.sync.bfly.b32 m2, m, 1, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
-        shfl.sync.bfly.b32 m2, m, 2, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
-        shfl.sync.bfly.b32 m2, m, 4, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
-        mov.b32 e, m;
-        shr.u32 e, e, 23;
-        sub.s32 ue, e, {shift - 1};
-        max.s32 ue, ue, 1;
-        shl.b32 ub, ue, 23;
-        sub.s32 ib, 254, ue;
-        shl.b32 ib, ib, 23;
-        mov.b32 inv, ib;
-        setp.eq.u32 p, e, 255;
-        @p mov.b32 ub, 0x7fc00000;
-        {scale}
-        and.b32 r8, row, 7;
-        shr.u32 rb, row, 3;
-        mad.lo.u32 rb, rb, {block_k // 128}, run;
-        shl.b32 rb, rb, 10;
-        shl.b32 t0, r8, 7;
-        add.u32 rb, rb, t0;
-        xor.b32 t0, chunk, r8;
-        shl.b32 t0, t0, 4;
-        add.u32 rb, rb, t0;
-        add.u32 rb, rb, $2;
-        {chr(10).join(stores)}
-        setp.eq.u32 p, chunk, 0;
-        mad.lo.u32 ua, run, {cols}, row;
-        shl.b32 ua, ua, 2;
-        add.u32 ua, ua, $3;
-        @p st.shared.b32 [ua], ub;
-        }}"""
-
-
-def split_tile(raw, parts_ref, units_ref, *, parts: int) -> None:
-    """The activation tile raw [block_m, block_k] float32 (shared memory, untiled) -> its int8 parts
-    parts_ref [parts · block_m, block_k] (tiled + swizzled for wgmma) and units_ref [block_k // PART_INPUTS, cols]
-    (untiled), as split_parts would make them, by the warpgroup that calls it: 16 inputs a thread, in inline PTX
-    (_split_ptx). Not interpreted: the interpreter's compute warpgroups call split_parts on the tile instead."""
-    block_m, block_k = raw.shape
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, gpu, llvm
-
-    swizzled = plgpu.RefType(transforms=(plgpu.TilingTransform((8, PART_INPUTS)), plgpu.SwizzleTransform(128)))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, plgpu.RefType()))
-    def split(ctx, raw, parts_ref, units_ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        address = [llvm.ptrtoint(i32, mgpu_utils.memref_ptr(r)) for r in (raw, parts_ref, units_ref)]
-        thread = arith.andi(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mgpu_utils.c(127, i32))
-        for segment in range(block_m * block_k // 16 // 128):
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [thread, *address],
-                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1]),
-                            "r,r,r,r", has_side_effects=True)
-
-    split(raw, parts_ref, units_ref)
-
-
-def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool,
-                 e_smem=None, parts: int = 0, raw=None) -> jax.Array:
+def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, *, interpreted: bool) -> jax.Array:
     """[64, block_m] float32: int8 weight rows `rows` times the activations, over ring steps [first, last).
 
     w_smem [stages, block_n, block_k] int8 and x_smem [stages, block_m, block_k] (both tiled + swizzled) are the
@@ -416,9 +249,6 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     per two values, raised that to 32.8 GB/s (H100, 33 programs). Loading in the layout made for upcasting 8-bit
     data (32-bit reads, 4 values each) and moving the converted values into the WGMMA layout by a warp shuffle was
     slower: products of a decode step 2.459 against 2.387 ms on an H200, 0.5-1.5 % a product on an H100."""
-    if e_smem is not None:
-        return _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of,
-                                   parts=parts, interpreted=interpreted, raw=raw)
     block_m, block_k = x_smem.shape[1], x_smem.shape[2]
     chunks = [pl.ds(c, min(block_k, 128)) for c in range(0, block_k, 128)]
 
@@ -459,62 +289,6 @@ def ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of,
     return pl.run_scoped(accumulate, plgpu.ACC((ROWS, block_m), jnp.float32))
 
 
-def _ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of, *, parts: int,
-                        interpreted: bool, raw=None) -> jax.Array:
-    """ring_product for activations in int8 parts (BlockSizes.parts, split_parts): x_smem [stages, parts · block_m,
-    block_k] int8 and e_smem [stages, block_k // PART_INPUTS, unit_columns(block_m)] float32 units. Each 128-input run is one int8
-    wgmma with both operands in shared memory (the weight rows as A, the parts K-major as B) into an int32
-    accumulator of its own; its parts' sums are then weighted (1, 256, ...), times the run's units, into the float32
-    total. No weight passes through registers."""
-    block_m, block_k = x_smem.shape[1] // parts, x_smem.shape[2]
-    chunks = [pl.ds(c, PART_INPUTS) for c in range(0, block_k, PART_INPUTS)]
-
-    def weighted(total, sums, unit_of):  # total + the runs' sums of parts, each times its run's units
-        for c, part in enumerate(sums):
-            unit = unit_of(c)
-            for j in range(parts):
-                scale = lax.broadcast_in_dim(unit * float(256 ** j), (ROWS, block_m), [1])
-                total = total + part[:, j * block_m:(j + 1) * block_m].astype(jnp.float32) * scale
-        return total
-
-    if interpreted:
-        def dot_step(g, total):
-            slot = slot_of(g)
-            plgpu.barrier_wait(tile_bar.at[slot])
-            sums = [lax.dot_general(w_smem.at[slot, rows, cols][...], x_smem.at[slot, :, cols][...], _CONTRACT_K,
-                                    preferred_element_type=jnp.int32) for cols in chunks]
-            total = weighted(total, sums, lambda c: e_smem.at[slot, c, pl.ds(0, block_m)][...])
-            plgpu.barrier_arrive(free_bar.at[slot])
-            return total
-
-        return lax.fori_loop(first, last, dot_step, jnp.zeros((ROWS, block_m), jnp.float32))
-
-    col_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(0), interpreted=False)
-
-    def step(g, total):
-        slot = slot_of(g)
-        plgpu.barrier_wait(tile_bar.at[slot])
-        own = slot
-        if raw is not None:  # this warpgroup splits the step's float32 tile into parts and units of its own
-            own = lax.rem(g, PARTS_SLOTS)
-            split_tile(raw.at[slot], x_smem.at[own], e_smem.at[own], parts=parts)
-            plgpu.commit_smem()  # visible to wgmma (the async proxy) across the warpgroup
-
-        def products(*acc_refs):
-            for acc_ref, cols in zip(acc_refs, chunks):
-                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, cols], x_smem.at[own, :, cols].transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            return [acc_ref[...] for acc_ref in acc_refs]
-
-        sums = pl.run_scoped(products, *[plgpu.ACC((ROWS, parts * block_m), jnp.int32) for _ in chunks])
-        total = weighted(total, sums, lambda c: col_vec(e_smem.at[own, c, pl.ds(0, block_m)][...]))
-        plgpu.barrier_arrive(free_bar.at[slot])  # the units are read: the slot goes back
-        return total
-
-    zeros = with_layout(jnp.zeros((ROWS, block_m), jnp.float32), plgpu.Layout.WGMMA, interpreted=False)
-    return lax.fori_loop(first, last, step, zeros)
-
-
 def store_transposed(tile: jax.Array, ref, *, interpreted: bool) -> None:
     """outᵀ's [64, block_m] tile in registers -> ref [block_m, 64] (a ref from .at[...]) in ref's dtype: the
     registers trade pairs (one shuffle) into the transposed layout, whose stores into a transposed view of ref
@@ -541,42 +315,11 @@ def sum_slots(parts: jax.Array, count: int) -> jax.Array:
     return functools.reduce(operator.add, (parts[i] for i in range(count)))
 
 
-def copy_activations(x_ref, x_smem, slot, m_tile, k_at, bar, *, block_m: int, block_k: int) -> None:
-    """The activation tile of ring step (m_tile, k_at) into slot `slot` of its ring, completing on `bar`: a 16-bit
-    tile, or with BlockSizes.parts the float32 tile that the compute warpgroups split (split_tile), or (interpreted)
-    the pair (int8 parts, units) of split_parts (two copies): the split inside the kernel hung Mosaic GPU's
-    interpreter (jax 0.10.2, a 2-core machine) in about half the runs, and the kernel's own split is PTX, which only
-    the chip runs."""
-    if isinstance(x_ref, tuple):
-        (parts_ref, units_ref), (parts_smem, units_smem) = x_ref, x_smem
-        rows, cols = parts_smem.shape[1], units_smem.shape[2]
-        plgpu.copy_gmem_to_smem(parts_ref.at[pl.ds(m_tile * rows, rows), pl.ds(k_at, block_k)], parts_smem.at[slot],
-                                bar)
-        plgpu.copy_gmem_to_smem(units_ref.at[pl.ds(k_at // PART_INPUTS, block_k // PART_INPUTS),
-                                             pl.ds(m_tile * cols, cols)], units_smem.at[slot], bar)
-        return
-    ring = x_smem[0] if isinstance(x_smem, tuple) else x_smem
-    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m_tile * block_m, block_m), pl.ds(k_at, block_k)], ring.at[slot], bar)
-
-
-def ring_operands(x_smem, parts: int, wg) -> dict:
-    """ring_product's activation operands: the 16-bit ring, or with BlockSizes.parts the parts and units rings of
-    compute warpgroup `wg` and the float32 tiles it splits into them (x_smem: (tiles, parts, units)), or,
-    interpreted, the rings of parts and units split before the kernel (x_smem: (parts, units))."""
-    if parts and len(x_smem) == 2:
-        return dict(x_smem=x_smem[0], e_smem=x_smem[1], parts=parts)
-    if parts:
-        return dict(x_smem=x_smem[1].at[wg], e_smem=x_smem[2].at[wg], raw=x_smem[0], parts=parts)
-    return dict(x_smem=x_smem)
-
-
 def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, tile_bar, free_bar, *,
             bs: BlockSizes, k_split: int, group: int, partial: bool, interpreted: bool):
-    # x_ref: [m_pad, k] f16 (x · X_SHIFT) or bf16 activations, or (parts, units) of split_parts (BlockSizes.parts);
-    # w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32
+    # x_ref: [m_pad, k] f16 (x · X_SHIFT) or bf16 activations; w_ref: [n, k] int8 weight rows; s_ref: [groups, n] f32
     # o_ref: [m_pad, n] (out dtype), or [splits, m_pad, n] f32 partials when k is split
-    # x_smem: [stages, block_m, block_k] like x (or the parts' and units' rings); w_smem: [stages, block_n, block_k]
-    # int8 (both tiled + swizzled)
+    # x_smem: [stages, block_m, block_k] like x; w_smem: [stages, block_n, block_k] int8 (both tiled + swizzled)
     # s_smem: [groups in a split, block_n] f32; o_smem: [compute wgs, block_m, 64]
     block_n, block_k, block_m, stages = bs.block_n, bs.block_k, bs.block_m, bs.stages
     nt, split, mt, wg = (lax.axis_index(a) for a in ("n", "split", "m", "wg"))
@@ -601,7 +344,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             k_at = k0 + j * block_k
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0, block_n), pl.ds(k_at, block_k)], w_smem.at[slot],
                                     tile_bar.at[slot])
-            copy_activations(x_ref, x_smem, slot, mt, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, block_m), pl.ds(k_at, block_k)], x_smem.at[slot],
+                                    tile_bar.at[slot])
             return carry
 
         lax.fori_loop(0, steps, step, None)
@@ -615,9 +359,8 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)  # this warpgroup's weight rows
 
         def segment_product(first):  # [64, block_m] f32: this warpgroup's rows over `segment` steps of the ring
-            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first,
-                                last=first + segment, slot_of=lambda j: lax.rem(j, stages), interpreted=interpreted,
-                                **ring_operands(x_smem, bs.parts, wg))
+            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, first + segment,
+                                lambda j: lax.rem(j, stages), interpreted=interpreted)
 
         plgpu.barrier_wait(s_bar)
 
@@ -625,7 +368,7 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, x_smem, w_smem, s_smem, o_smem, s_bar, t
             part = segment_product(seg * segment)
             g = (seg * segment * block_k) // group  # the scale row of this segment, within the split's rows
             scale = row_vec(s_smem.at[g, rows][...])
-            if bs.float16 and not bs.parts:  # here, not on the scales before the call: a kernel of its own each call
+            if bs.float16:  # here, not on the scales before the call: that would be a kernel of its own each call
                 scale = scale * (1 / X_SHIFT)
             return total + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
@@ -683,7 +426,7 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
             k_at = lax.rem(u, steps) * block_k
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(lax.div(u, steps) * block_n, block_n), pl.ds(k_at, block_k)],
                                     w_smem.at[slot], tile_bar.at[slot])
-            copy_activations(x_ref, x_smem, slot, 0, k_at, tile_bar.at[slot], block_m=block_m, block_k=block_k)
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k_at, block_k)], x_smem.at[slot], tile_bar.at[slot])
             return carry
 
         lax.fori_loop(begin, end, step, None)
@@ -698,9 +441,8 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
         plgpu.commit_smem()
 
         def product(first, last):  # [64, block_m] f32 over units [first, last) of the ring
-            return ring_product(w_smem, tile_bar=tile_bar, free_bar=free_bar, rows=rows, first=first, last=last,
-                                slot_of=lambda u: lax.rem(u - begin, stages), interpreted=interpreted,
-                                **ring_operands(x_smem, bs.parts, wg))
+            return ring_product(w_smem, x_smem, tile_bar, free_bar, rows, first, last,
+                                lambda u: lax.rem(u - begin, stages), interpreted=interpreted)
 
         first_tile, last_tile = lax.div(begin, steps), lax.div(end - 1, steps)
         def fragment(tile):  # the piece of `tile` in this program's run, if any
@@ -745,34 +487,18 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     bs = _resolve(block_sizes or DEFAULT_BLOCK_SIZES, m, n, k, group)
     splits, k_split = bs.num_splits, k // bs.num_splits
     m_pad = -(-m // bs.block_m) * bs.block_m
-    shift = X_SHIFT if bs.float16 and not bs.parts else 1.0  # x enters times this; the scales take it back
-    int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
-    w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
-    params = backend_lib.interpret_params("mosaic_gpu", interpret)
-    if bs.parts:
-        parts_ring = plgpu.SMEM((bs.stages, bs.parts * bs.block_m, bs.block_k), jnp.int8, transforms=w_transforms)
-        units_ring = plgpu.SMEM((bs.stages, bs.block_k // PART_INPUTS, unit_columns(bs.block_m)), jnp.float32)
-        if params is not None:  # split before the kernel (see copy_activations)
-            xp = split_parts(x, bs.parts, bs.block_m, m_pad)
-            x_ring = (parts_ring, units_ring)
-        else:  # float32 tiles, which each compute warpgroup splits into parts and units rings of its own
-            xp = x.astype(jnp.float32)
-            if m_pad > m:
-                xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-            wgs = bs.block_n // ROWS
-            x_ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), jnp.float32),
-                      plgpu.SMEM((wgs, PARTS_SLOTS, *parts_ring.shape[1:]), jnp.int8, transforms=w_transforms),
-                      plgpu.SMEM((wgs, PARTS_SLOTS, *units_ring.shape[1:]), jnp.float32))
-    else:
-        dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
-        xp = (x.astype(jnp.float32) * shift).astype(dtype)
-        if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
-            xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
-        x_ring = plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype))
+    shift = X_SHIFT if bs.float16 else 1.0  # x enters times this; the scales take it back
+    dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
+    xp = (x.astype(jnp.float32) * shift).astype(dtype)
+    if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
+        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
     partial = splits > 1
     compute_wgs = bs.block_n // ROWS
-    copies = 3 if bs.parts and params is not None else 2  # a step's copies: the weight tile and the activations
-    ring = (x_ring, plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms))
+    params = backend_lib.interpret_params("mosaic_gpu", interpret)
+    int8_swizzle = min(bs.block_k, 128)  # int8: one byte per input, so a 128-byte swizzle spans 128 inputs
+    w_transforms = (plgpu.TilingTransform((8, int8_swizzle)), plgpu.SwizzleTransform(int8_swizzle))
+    ring = (plgpu.SMEM((bs.stages, bs.block_m, bs.block_k), dtype, transforms=mma_transforms(dtype)),
+            plgpu.SMEM((bs.stages, bs.block_n, bs.block_k), jnp.int8, transforms=w_transforms))
     if bs.stream_k:
         slots, fragments = stream_k_plan(k // bs.block_k, n // bs.block_n, bs.programs)
         kernel = plgpu.kernel(
@@ -783,7 +509,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
                 *ring,
                 plgpu.SMEM((compute_wgs, bs.block_m, ROWS), jnp.float32),  # a fragment's sums
                 plgpu.SMEM((compute_wgs, bs.block_m, ROWS), jnp.float32),  # zeros
-                plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),
                 plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
             ),
             grid=(bs.programs,), grid_names=("p",), num_threads=compute_wgs + 1, thread_name="wg", interpret=params,
@@ -801,7 +527,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
             plgpu.SMEM((max(1, k_split // group), bs.block_n), jnp.float32),
             plgpu.SMEM((compute_wgs, bs.block_m, ROWS), o_dtype),
             plgpu.Barrier(num_arrivals=1),  # the scales copied
-            plgpu.Barrier(num_arrivals=copies, num_barriers=bs.stages),  # the weight and activation copies of a step
+            plgpu.Barrier(num_arrivals=2, num_barriers=bs.stages),  # the weight and activation copies of a step
             plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=bs.stages),
         ),
         grid=(n // bs.block_n, splits, m_pad // bs.block_m),
