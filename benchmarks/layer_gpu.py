@@ -1,0 +1,123 @@
+"""The int8 decode-layer kernel (pallas_kernels/quantized_layer) against the model's path for the same math, on the H100.
+
+For `--layers` 8B-shaped layers of random int8 weights, at batch 1, both paths take each layer from its attention
+output to the next layer's qkv (wo, residual, norm, gate_up, SiLU·up, down, residual, norm, qkv), chained: the next
+layer's attention output stands in as the first d of the qkv before it (attention itself is left out of both).
+
+- kernel: one `decode_layer` kernel a layer (plus the small XLA fusion that makes its float16 input);
+- model: the products through jaxserve.model.quant.linear (one int8 Mosaic GPU kernel a product) with the model's
+  XLA glue between them (residual adds, norms, SiLU·up, conversions), exactly as transformer._layer writes them.
+
+Device time of a whole chain from a profile, in the same process; the outputs of the two paths are compared.
+
+    PYTHONPATH=. python3 benchmarks/layer_gpu.py [--layers 8]    # writes results/layer_gpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import record  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, device_seconds  # noqa: E402
+from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
+from pallas_kernels.quantized_layer import LayerWeights  # noqa: E402
+
+EPS = 1e-5
+
+
+def random_layers(layers: int, d: int, f: int, nq: int) -> list[LayerWeights]:
+    out = []
+    for i in range(layers):
+        keys = iter(jax.random.split(jax.random.PRNGKey(i), 10))
+
+        def values(*shape):
+            return jax.random.randint(next(keys), shape, -127, 128, jnp.int32).astype(jnp.int8)
+
+        def scales(*shape, fan_in):
+            return jax.random.uniform(next(keys), shape, jnp.float32, 0.5, 1.5) / (73 * np.sqrt(fan_in))
+
+        def gain():
+            return jax.random.uniform(next(keys), (d,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
+
+        out.append(LayerWeights(values(d, d), scales(d, fan_in=d), gain(), values(f, 2, d), scales(2, f, fan_in=d),
+                                values(d, f), scales(d, fan_in=f), gain(), values(nq, d), scales(nq, fan_in=d)))
+    return out
+
+
+def kernel_chain(ws, a, h):
+    from pallas_kernels.quantized_layer.mosaic_gpu import decode_layer
+
+    for w in ws:
+        h, qkv = decode_layer(a, h, w, eps=EPS)
+        a = qkv[:, : a.shape[1]]
+    return h, qkv
+
+
+def model_chain(ws, a, h):
+    from jaxserve.model.quant import QuantizedArray, linear
+    from jaxserve.model.transformer import _pad_rows, normed_linear
+
+    rows = a.shape[0]
+    h = _pad_rows(h, -rows % 8)  # the decode step pads its rows once
+    for w in ws:
+        def q(v, s):
+            return QuantizedArray(v, s[None])
+
+        h = h + linear(_pad_rows(a, h.shape[0] - rows), q(w.wo, w.wo_scales))
+        gu = normed_linear(h, w.mlp_norm, q(w.gate_up, w.gate_up_scales.T), EPS)
+        h = h + linear(jax.nn.silu(gu[..., 0]) * gu[..., 1], q(w.down, w.down_scales))
+        qkv = normed_linear(h, w.attn_norm, q(w.qkv, w.qkv_scales), EPS)
+        a = qkv[:rows, : a.shape[1]]
+    return h[:rows], qkv[:rows]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results/layer_gpu.jsonl")
+    args = ap.parse_args()
+    cfg = LLAMA_8B
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    nq = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
+    ws = random_layers(args.layers, d, f, nq)
+    key = jax.random.PRNGKey(99)
+    a = jax.random.normal(key, (1, d), jnp.float32).astype(jnp.bfloat16)
+    h = (jax.random.normal(jax.random.PRNGKey(98), (1, d), jnp.float32) * 4).astype(jnp.bfloat16)
+    kernel_fn, model_fn = jax.jit(kernel_chain), jax.jit(model_chain)
+    hk, qk = kernel_fn(ws, a, h)
+    hm, qm = model_fn(ws, a, h)
+    diff_h = float(jnp.abs(hk.astype(jnp.float32) - hm.astype(jnp.float32)).max()
+                   / jnp.abs(hm.astype(jnp.float32)).max())
+    diff_q = float(jnp.abs(qk.astype(jnp.float32) - qm.astype(jnp.float32)).max()
+                   / jnp.abs(qm.astype(jnp.float32)).max())
+    print(f"outputs after {args.layers} layers, largest difference over largest value: h {diff_h:.2e}, "
+          f"qkv {diff_q:.2e}", flush=True)
+    copy = copy_bandwidth_device()
+    per_layer_bytes = sum(x.size for x in (ws[0].wo, ws[0].gate_up, ws[0].down, ws[0].qkv))
+    times = {}
+    for name, fn in (("model", model_fn), ("kernel", kernel_fn), ("model again", model_fn),
+                     ("kernel again", kernel_fn)):
+        times[name] = device_seconds(fn, (ws, a, h), reps=args.reps)
+        t = times[name] / args.layers
+        print(f"{name:13s} {t * 1e6:7.1f} us a layer ({per_layer_bytes / t / copy:.2f} of the copy)", flush=True)
+    kernel_s = min(times["kernel"], times["kernel again"]) / args.layers
+    model_s = min(times["model"], times["model again"]) / args.layers
+    print(f"kernel against model: {model_s / kernel_s:.3f}x; copy {copy / 1e9:.0f} GB/s", flush=True)
+    config = {"layers": args.layers, "batch": 1, "shapes": "llama3-8b", "difference_h": diff_h,
+              "difference_qkv": diff_q, "copy_GBps": copy / 1e9}
+    record(args.out, "int8_decode_layer_kernel", config, "seconds_per_layer", kernel_s, "s",
+           "the model's path: one int8 kernel a product, XLA glue between (device time)", model_s,
+           higher_is_better=False)
+
+
+if __name__ == "__main__":
+    main()

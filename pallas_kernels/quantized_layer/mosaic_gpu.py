@@ -1,0 +1,384 @@
+"""The int8 decode layer past attention as one Mosaic GPU kernel: wo, the residual, the MLP and the next layer's qkv.
+
+A decode step at batch 1 with one kernel per product stays at or below 1.69x bfloat16 on an H100 however little work
+a product does on its bytes (benchmarks/int8_gpu_notes.md, session 22): each product's start and end, and the small
+XLA kernels between products (residual adds, norms, SiLU·up, conversions: ~10 us a layer), cost as much as a
+layer's bytes do. This kernel runs the four products from one layer's attention output to the next layer's qkv
+(reference.py says what it computes) with no kernel boundary and no XLA kernel between them.
+
+Phases wo, gate_up, down, qkv run in turn on NUM_SMS programs, one an SM, all resident. In each phase program p
+streams an equal run of the phase's units (an output tile of 128 rows of the weight, one step of 256 inputs) in
+tile-major order (stream-K, as quantized_matmul's stream-K kernel) through one copy ring that runs on across phases.
+A run crosses tiles, so a tile is cut into pieces held by consecutive programs: the piece at the end of the lowest
+program's run (its owner, done last) waits on a grid-shared semaphore for the others, which sit at the start of
+their programs' runs and are long done; they leave their float32 sums in a slot of `slots`. The owner adds them in
+a fixed order (the sum is deterministic) and finishes the tile:
+
+- wo: h1 = h0 + sums (rounded to h0's dtype, as the model rounds its residual), written out; x = h1 · g_mlp in
+  float16 (times X_SHIFT, the quantized products' float16 activations) for gate_up; each 64 channels' sum of h1²
+  into `ss`.
+- gate_up: a tile is 64 gate rows (warpgroup 0) and the same channels' 64 up rows (warpgroup 1), copied as two
+  halves of the weight tile from values [f, 2 d]; warpgroup 1 hands its sums to warpgroup 0, which writes
+  silu(gate) · up (float16, times X_SHIFT) for down. The norm's 1/rms multiplies the sums (a number per row).
+- down: h2 = h1 + sums, written out; x = h2 · g_attn for qkv; sums of h2² into `ss`.
+- qkv: the sums times the norm's 1/rms, written out.
+
+A grid barrier (a global semaphore every warpgroup signals) ends each phase but the last: the next phase's
+activations, and the sums of squares its 1/rms needs, are complete only then. The producer warpgroup waits on it
+before copying the next phase's activations; the weight copies of a phase do not depend on it.
+
+Only on a GPU: grid-shared semaphores have no interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms
+from pallas_kernels.quantized_layer.reference import LayerWeights
+from pallas_kernels.quantized_matmul.mosaic_gpu import (ROW_MULTIPLE, ROWS, X_SHIFT, drain, ring_product,
+                                                        store_transposed, stream_k_plan)
+
+NUM_SMS = backend_lib.NUM_SMS
+BLOCK_N = 2 * ROWS  # weight rows a tile: 64 a compute warpgroup
+BLOCK_K = 256  # inputs a step
+STAGES = 3
+SS_ROWS = 64  # the sums of squares are read as [64, rows] tiles: d must be a multiple of 64 · 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    n: int  # weight rows
+    k: int  # inputs
+    tiles: int
+    steps: int  # units a tile
+    units: int
+    slots: int  # the most pieces a tile has
+    fragments: int  # the most tiles a program's run touches
+
+
+def plan(d: int, f: int, nq: int, programs: int) -> tuple[Phase, ...]:
+    phases = []
+    for name, n, k in (("wo", d, d), ("gate_up", 2 * f, d), ("down", d, f), ("qkv", nq, d)):
+        tiles, steps = n // BLOCK_N, k // BLOCK_K
+        slots, fragments = stream_k_plan(steps, tiles, programs)
+        phases.append(Phase(name, n, k, tiles, steps, tiles * steps, slots, fragments))
+    return tuple(phases)
+
+
+def supports(m: int, d: int, f: int, nq: int) -> bool:
+    return (m <= ROW_MULTIPLE and d % (SS_ROWS * ROWS) == 0 and f % BLOCK_N == 0 and f % BLOCK_K == 0
+            and nq % BLOCK_N == 0)
+
+
+def _load_t(ref) -> jax.Array:
+    """A [rows, 64] tile in shared memory -> [64, rows] float32 in the WGMMA layout."""
+    v = plgpu.load(plgpu.transpose_ref(ref, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+    return plgpu.layout_cast(v.astype(jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _row_vector(ref, shape) -> jax.Array:
+    """[64] per-channel numbers in shared memory -> broadcast over `shape` [64, rows] in the WGMMA layout."""
+    v = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    return lax.broadcast_in_dim(v, shape, [0])
+
+
+def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_ref, q_ref, q_s,
+            h2_ref, qkv_ref, h1_ref, xb_ref, act_ref, ss_ref, slot_ref,
+            x_smem, w_smem, p_smem, hand_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
+            ss_smem, tile_bar, free_bar, r_bar, hand_full, hand_empty, rd_bar, sc_bar, gr_bar, ss_bar, *, phases: tuple[Phase, ...], programs: int,
+            eps: float):
+    p, wg = lax.axis_index("p"), lax.axis_index("wg")
+    d = a_ref.shape[1]
+    m = x_smem.shape[1]
+    arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((len(phases) - 1,)))
+    offsets = [sum(ph.tiles for ph in phases[:j]) for j in range(len(phases))]
+    pieces_done = pl.get_global(plgpu.SemaphoreType.REGULAR((sum(ph.tiles for ph in phases), 2)))
+    x_srcs = (a_ref, xb_ref, act_ref, xb_ref)
+
+    def w_src(j, tile, k_at, half):  # half of phase j's weight tile: 64 rows by a step
+        cols = pl.ds(k_at, BLOCK_K)
+        if phases[j].name == "gate_up":  # values [f, 2 d]: the tile's channels' gate rows, then their up rows
+            return gu_ref.at[pl.ds(tile * ROWS, ROWS), pl.ds(half * d + k_at, BLOCK_K)]
+        ref = (wo_ref, None, dn_ref, q_ref)[j]
+        return ref.at[pl.ds(tile * BLOCK_N + half * ROWS, ROWS), cols]
+
+    runs, bases = [], []
+    base = jnp.int32(0)
+    for ph in phases:
+        begin, end = lax.div(p * ph.units, programs), lax.div((p + 1) * ph.units, programs)
+        runs.append((begin, end))
+        bases.append(base)
+        base = base + end - begin
+    total_steps = base
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        for j, ph in enumerate(phases):
+            begin, end = runs[j]
+            if j:  # the phase before has written this phase's activations
+                plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+
+            def step(u, carry, j=j, ph=ph, begin=begin):
+                g = bases[j] + u - begin
+                slot = lax.rem(g, STAGES)
+
+                @pl.when(g >= STAGES)
+                def _():
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                tile, k_at = lax.div(u, ph.steps), lax.rem(u, ph.steps) * BLOCK_K
+                for half in range(2):
+                    plgpu.copy_gmem_to_smem(w_src(j, tile, k_at, half), w_smem.at[slot, pl.ds(half * ROWS, ROWS)],
+                                            tile_bar.at[slot])
+                plgpu.copy_gmem_to_smem(x_srcs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+                return carry
+
+            lax.fori_loop(begin, end, step, None)
+        drain(free_bar, STAGES, jnp.maximum(total_steps - STAGES, 0), total_steps)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+        shape = (ROWS, m)
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.barrier_arrive(hand_empty)  # the hand-off buffer starts empty
+
+        def hand_over(v):  # warpgroup 1's [64, m] float32 to warpgroup 0 (which calls take_over)
+            plgpu.barrier_wait(hand_empty)
+            hand_smem[...] = v
+            plgpu.barrier_arrive(hand_full)
+
+        def take_over():
+            plgpu.barrier_wait(hand_full)
+            v = plgpu.layout_cast(hand_smem[...], plgpu.Layout.WGMMA)
+            plgpu.barrier_arrive(hand_empty)
+            return v
+
+        def row_sums_out(v, ref):  # warpgroup 0: v [64, m]'s column sums into ref [1, m] in global memory
+            total = lax.broadcast_in_dim(jnp.sum(v, axis=0), shape, [1])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            sq_smem[...] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(sq_smem.at[pl.ds(0, 1)], ref)
+
+        def store_out(v, buf, ref):  # v [64, m] -> ref [m, 64] in global memory, through buf [m, 64]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_transposed(v, buf, interpreted=False)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf, ref)
+
+        def inverse_rms(i):  # [64, m]: the norm's 1/rms of each row, from the sums of squares in ss_ref[i]
+            @pl.when(wg == 0)
+            def _():
+                plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem, ss_bar)
+                plgpu.barrier_wait(ss_bar)
+                total = sum(jnp.sum(plgpu.layout_cast(ss_smem[pl.ds(c, SS_ROWS)], plgpu.Layout.WGMMA), axis=0)
+                            for c in range(0, ss_smem.shape[0], SS_ROWS))
+                r_smem[...] = lax.broadcast_in_dim(lax.rsqrt(total / d + eps), shape, [1])
+                plgpu.barrier_arrive(r_bar)
+
+            @pl.when(wg == 1)
+            def _():
+                plgpu.barrier_wait(r_bar)
+
+            return plgpu.layout_cast(r_smem[...], plgpu.Layout.WGMMA)
+
+        def finish_residual(tile, v, out_ref, ss):  # wo and down: h = residual + v, x = h · gain (fetched)
+            cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
+            plgpu.barrier_wait(gr_bar.at[wg])
+            h = (_load_t(res_smem.at[wg]) + v).astype(out_ref.dtype).astype(jnp.float32)
+            store_out(h, ob_smem.at[wg], out_ref.at[:, cols])
+            x = h * _row_vector(g_smem.at[wg], shape) * X_SHIFT
+            store_out(x, of_smem.at[wg], xb_ref.at[:, cols])
+
+            @pl.when(wg == 1)
+            def _():
+                hand_over(h * h)
+
+            @pl.when(wg == 0)
+            def _():
+                row_sums_out(h * h, ss.at[pl.ds(2 * tile, 1)])
+                row_sums_out(take_over(), ss.at[pl.ds(2 * tile + 1, 1)])
+
+        for j, ph in enumerate(phases):
+            begin, end = runs[j]
+            if j:
+                plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+            r = inverse_rms(0 if ph.name == "gate_up" else 1) if ph.name in ("gate_up", "qkv") else None
+            last_tile = lax.div(end - 1, ph.steps)
+
+            def fragment(tile, j=j, ph=ph, begin=begin, end=end, r=r):
+                @pl.when((tile <= last_tile) & (begin < end))
+                def _():
+                    start = jnp.maximum(begin, tile * ph.steps)
+                    stop = jnp.minimum(end, (tile + 1) * ph.steps)
+                    owner = lax.div((tile * ph.steps + 1) * programs + ph.units - 1, ph.units) - 1
+
+                    @pl.when(p == owner)
+                    def _():  # the epilogue's inputs, copied while the product runs
+                        fetch(j, ph, tile)
+
+                    sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
+                                        lambda u: lax.rem(bases[j] + u - begin, STAGES), interpreted=False)
+                    # the programs holding the tile's first (owner, above) and last units: ceil((u + 1)·P / T) - 1
+                    last = lax.div((tile + 1) * ph.steps * programs + ph.units - 1, ph.units) - 1
+                    piece, done = p - owner, pieces_done.at[offsets[j] + tile, wg]
+                    slot_rows = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
+
+                    @pl.when(piece > 0)
+                    def _piece():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        p_smem.at[wg][...] = sums
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(p_smem.at[wg], slot_ref.at[piece, slot_rows])
+                        plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
+                        plgpu.semaphore_signal(done, 1, memory_scope="gpu")
+
+                    @pl.when(piece == 0)
+                    def _owner():
+                        plgpu.semaphore_wait(done, last - owner, memory_scope="gpu")  # back to zero for the next call
+
+                        def add(i, acc):
+                            plgpu.copy_gmem_to_smem(slot_ref.at[i, slot_rows], p_smem.at[wg], rd_bar.at[wg])
+                            plgpu.barrier_wait(rd_bar.at[wg])
+                            return acc + plgpu.layout_cast(p_smem.at[wg][...], plgpu.Layout.WGMMA)
+
+                        total = lax.fori_loop(1, last - owner + 1, add, sums)
+                        finish(j, ph, tile, total, r)
+
+            def fetch(j, ph, tile):  # the owner's per-channel scales, and for wo and down the gain and residual
+                cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
+                if ph.name == "gate_up":
+                    scales = gu_s.at[wg, pl.ds(tile * ROWS, ROWS)]
+                else:
+                    scales = {"wo": wo_s, "down": dn_s, "qkv": q_s}[ph.name].at[cols]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(scales, sc_smem.at[wg], sc_bar.at[wg])
+                if ph.name in ("wo", "down"):
+                    gain, res = (gm_ref, h0_ref) if ph.name == "wo" else (ga_ref, h1_ref)
+                    plgpu.copy_gmem_to_smem(gain.at[cols], g_smem.at[wg], gr_bar.at[wg])
+                    plgpu.copy_gmem_to_smem(res.at[:, cols], res_smem.at[wg], gr_bar.at[wg])
+
+            def scaled(total):
+                plgpu.barrier_wait(sc_bar.at[wg])
+                return total * _row_vector(sc_smem.at[wg], shape) * (1 / X_SHIFT)
+
+            def finish(j, ph, tile, total, r):
+                if ph.name == "wo":
+                    finish_residual(tile, scaled(total), h1_ref, ss_ref.at[0])
+                elif ph.name == "gate_up":
+                    chans = pl.ds(tile * ROWS, ROWS)
+                    v = scaled(total) * r
+
+                    @pl.when(wg == 1)
+                    def _():
+                        hand_over(v)
+
+                    @pl.when(wg == 0)
+                    def _():
+                        up = take_over()
+                        store_out(v / (1.0 + jnp.exp(-v)) * up * X_SHIFT, of_smem.at[0], act_ref.at[:, chans])
+                elif ph.name == "down":
+                    finish_residual(tile, scaled(total), h2_ref, ss_ref.at[1])
+                else:
+                    cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
+                    store_out(scaled(total) * r, oq_smem.at[wg], qkv_ref.at[:, cols])
+
+            first = lax.div(begin, ph.steps)
+            for f in range(ph.fragments):
+                fragment(first + f)
+            plgpu.wait_smem_to_gmem(0)  # this phase's outputs are in global memory before the barrier
+            if j < len(phases) - 1:
+                plgpu.semaphore_signal(arrived.at[j], 1, memory_scope="gpu")
+
+        _depart(2 * p + wg, 2 * programs, [(arrived.at[i], 2 * programs) for i in range(len(phases) - 1)])
+
+
+def _depart(index, count: int, semaphores) -> None:
+    """Every compute warpgroup of the grid signals its departure once past its last wait; the first takes each
+    (semaphore, value) back by value once all have (the semaphores outlive the call), and the departures to zero."""
+    departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
+
+    @pl.when(index == 0)
+    def _():
+        plgpu.semaphore_wait(departed, count, memory_scope="gpu")
+        for semaphore, value in semaphores:
+            plgpu.semaphore_signal(semaphore, -value, memory_scope="gpu")
+
+
+def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
+                 programs: int | None = None, interpret_check: bool = True) -> tuple[jax.Array, jax.Array]:
+    """See reference.decode_layer. a [m, d] (the attention output, bfloat16 or float16), h0 [m, d], m <= 8."""
+    m, d = a.shape
+    f, nq = w.gate_up.shape[0], w.qkv.shape[0]
+    if not supports(m, d, f, nq):
+        raise ValueError(f"the layer kernel takes m <= {ROW_MULTIPLE} rows, d a multiple of {SS_ROWS * ROWS}, f a "
+                         f"multiple of {BLOCK_K} and nq of {BLOCK_N}; got m={m}, d={d}, f={f}, nq={nq}")
+    programs = programs or NUM_SMS
+    if interpret_check and jax.default_backend() != "gpu":
+        raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
+    phases = plan(d, f, nq, programs)
+    out_dtype = jnp.dtype(out_dtype or h0.dtype)
+    pad = ((0, ROW_MULTIPLE - m), (0, 0))
+    a16 = jnp.pad((a.astype(jnp.float32) * X_SHIFT).astype(jnp.float16), pad)
+    h0p = jnp.pad(h0, pad)
+    slots = max(ph.slots for ph in phases)
+    n_max = max(ph.n for ph in phases)
+    mp = ROW_MULTIPLE
+    int8_swizzle = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, phases=phases, programs=programs, eps=eps),
+        out_type=(
+            jax.ShapeDtypeStruct((mp, d), h0.dtype),  # h2
+            jax.ShapeDtypeStruct((mp, nq), out_dtype),  # qkv
+            jax.ShapeDtypeStruct((mp, d), h0.dtype),  # h1 (scratch)
+            jax.ShapeDtypeStruct((mp, d), jnp.float16),  # gate_up's, then qkv's activations (scratch)
+            jax.ShapeDtypeStruct((mp, f), jnp.float16),  # down's activations (scratch)
+            jax.ShapeDtypeStruct((2, d // ROWS, mp), jnp.float32),  # sums of squares of h1, h2 (scratch)
+            jax.ShapeDtypeStruct((max(slots, 2), n_max, mp), jnp.float32),  # pieces' sums (scratch)
+        ),
+        scratch_types=(
+            plgpu.SMEM((STAGES, mp, BLOCK_K), jnp.float16, transforms=mma_transforms(jnp.float16)),
+            plgpu.SMEM((STAGES, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
+            plgpu.SMEM((2, ROWS, mp), jnp.float32),  # a piece's sums
+            plgpu.SMEM((ROWS, mp), jnp.float32),  # warpgroup 1 -> 0
+            plgpu.SMEM((ROWS, mp), jnp.float32),  # sums of squares on their way out
+            plgpu.SMEM((ROWS, mp), jnp.float32),  # 1/rms
+            plgpu.SMEM((2, mp, ROWS), h0.dtype),
+            plgpu.SMEM((2, mp, ROWS), jnp.float16),
+            plgpu.SMEM((2, mp, ROWS), out_dtype),
+            plgpu.SMEM((2, ROWS), jnp.float32),  # an owner's scales
+            plgpu.SMEM((2, ROWS), w.mlp_norm.dtype),  # gain
+            plgpu.SMEM((2, mp, ROWS), h0.dtype),  # residual
+            plgpu.SMEM((d // ROWS, mp), jnp.float32),  # the sums of squares of a residual, for its 1/rms
+            plgpu.Barrier(num_arrivals=3, num_barriers=STAGES),  # a step's two weight halves and activations
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # both compute warpgroups done with a slot
+            plgpu.Barrier(num_arrivals=1),  # 1/rms
+            plgpu.Barrier(num_arrivals=1),  # hand-off full
+            plgpu.Barrier(num_arrivals=1),  # hand-off empty
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # another piece's sums read (a warpgroup each)
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # scales
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # gain and residual
+            plgpu.Barrier(num_arrivals=1),  # sums of squares
+        ),
+        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
+    )
+    outs = kernel(a16, h0p, w.wo, w.wo_scales, w.mlp_norm, w.gate_up.reshape(f, 2 * d), w.gate_up_scales, w.down,
+                  w.down_scales, w.attn_norm, w.qkv, w.qkv_scales)
+    return outs[0][:m], outs[1][:m]
