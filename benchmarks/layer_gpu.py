@@ -16,6 +16,7 @@ Device time of a whole chain from a profile, in the same process; the outputs of
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -51,11 +52,11 @@ def random_layers(layers: int, d: int, f: int, nq: int) -> list[LayerWeights]:
     return out
 
 
-def kernel_chain(ws, a, h):
+def kernel_chain(ws, a, h, trial=""):
     from pallas_kernels.quantized_layer.mosaic_gpu import decode_layer
 
     for w in ws:
-        h, qkv = decode_layer(a, h, w, eps=EPS)
+        h, qkv = decode_layer(a, h, w, eps=EPS, trial=trial)
         a = qkv[:, : a.shape[1]]
     return h, qkv
 
@@ -82,6 +83,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--trials", default="", help="semicolon-separated kernel trials also timed (wrong outputs, a "
+                    "bound): no-barrier (phases overlap), no-epilogue (owners finish no tile), or both, comma-joined")
     ap.add_argument("--out", default="benchmarks/results/layer_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -112,6 +115,12 @@ def main():
     kernel_s = min(times["kernel"], times["kernel again"]) / args.layers
     model_s = min(times["model"], times["model again"]) / args.layers
     print(f"kernel against model: {model_s / kernel_s:.3f}x; copy {copy / 1e9:.0f} GB/s", flush=True)
+    for trial in filter(None, args.trials.split(";")):
+        t = device_seconds(jax.jit(functools.partial(kernel_chain, trial=trial)), (ws, a, h), reps=args.reps)
+        t /= args.layers
+        print(f"trial {trial:24s} {t * 1e6:7.1f} us a layer ({per_layer_bytes / t / copy:.2f} of the copy)", flush=True)
+        record(args.out, "int8_decode_layer_kernel", {"layers": args.layers, "trial": trial}, "seconds_per_layer", t,
+               "s", "the kernel as built, same run", kernel_s, higher_is_better=False)
     config = {"layers": args.layers, "batch": 1, "shapes": "llama3-8b", "difference_h": diff_h,
               "difference_qkv": diff_q, "copy_GBps": copy / 1e9}
     record(args.out, "int8_decode_layer_kernel", config, "seconds_per_layer", kernel_s, "s",

@@ -97,7 +97,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             h2_ref, qkv_ref, h1_ref, xb_ref, act_ref, ss_ref, slot_ref,
             x_smem, w_smem, p_smem, hand_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
             ss_smem, tile_bar, free_bar, r_bar, hand_full, hand_empty, rd_bar, sc_bar, gr_bar, ss_bar, *, phases: tuple[Phase, ...], programs: int,
-            eps: float):
+            eps: float, trial: str):
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
     d = a_ref.shape[1]
     m = x_smem.shape[1]
@@ -127,25 +127,41 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         plgpu.set_max_registers(40, action="decrease")
         for j, ph in enumerate(phases):
             begin, end = runs[j]
-            if j:  # the phase before has written this phase's activations
-                plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
 
-            def step(u, carry, j=j, ph=ph, begin=begin):
+            def unit(u, j=j, ph=ph, begin=begin):  # (ring slot, weight tile, input offset) of unit u
                 g = bases[j] + u - begin
-                slot = lax.rem(g, STAGES)
+                return g, lax.rem(g, STAGES), lax.div(u, ph.steps), lax.rem(u, ph.steps) * BLOCK_K
+
+            def copy_weight(u, j=j):
+                g, slot, tile, k_at = unit(u)
 
                 @pl.when(g >= STAGES)
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
-                tile, k_at = lax.div(u, ph.steps), lax.rem(u, ph.steps) * BLOCK_K
                 for half in range(2):
                     plgpu.copy_gmem_to_smem(w_src(j, tile, k_at, half), w_smem.at[slot, pl.ds(half * ROWS, ROWS)],
                                             tile_bar.at[slot])
+
+            def copy_x(u, j=j):
+                _, slot, _, k_at = unit(u)
                 plgpu.copy_gmem_to_smem(x_srcs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+
+            ahead = begin
+            if j:  # the phase's first weight tiles go out before its activations exist: the barrier's wait and
+                # the copies' latency overlap
+                ahead = jnp.minimum(begin + STAGES, end)
+                lax.fori_loop(begin, ahead, lambda u, c: copy_weight(u), None)
+                if "no-barrier" not in trial:
+                    plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+                lax.fori_loop(begin, ahead, lambda u, c: copy_x(u), None)
+
+            def step(u, carry, copy_weight=copy_weight, copy_x=copy_x):
+                copy_weight(u)
+                copy_x(u)
                 return carry
 
-            lax.fori_loop(begin, end, step, None)
+            lax.fori_loop(ahead, end, step, None)
         drain(free_bar, STAGES, jnp.maximum(total_steps - STAGES, 0), total_steps)
 
     @pl.when(wg < 2)
@@ -217,7 +233,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
         for j, ph in enumerate(phases):
             begin, end = runs[j]
-            if j:
+            if j and "no-barrier" not in trial:
                 plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
             r = inverse_rms(0 if ph.name == "gate_up" else 1) if ph.name in ("gate_up", "qkv") else None
             last_tile = lax.div(end - 1, ph.steps)
@@ -259,7 +275,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                             return acc + plgpu.layout_cast(p_smem.at[wg][...], plgpu.Layout.WGMMA)
 
                         total = lax.fori_loop(1, last - owner + 1, add, sums)
-                        finish(j, ph, tile, total, r)
+                        if "no-epilogue" not in trial:
+                            finish(j, ph, tile, total, r)
 
             def fetch(j, ph, tile):  # the owner's per-channel scales, and for wo and down the gain and residual
                 cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
@@ -323,7 +340,8 @@ def _depart(index, count: int, semaphores) -> None:
 
 
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
-                 programs: int | None = None, interpret_check: bool = True) -> tuple[jax.Array, jax.Array]:
+                 programs: int | None = None, interpret_check: bool = True,
+                 trial: str = "") -> tuple[jax.Array, jax.Array]:
     """See reference.decode_layer. a [m, d] (the attention output, bfloat16 or float16), h0 [m, d], m <= 8."""
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
@@ -343,7 +361,7 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
     mp = ROW_MULTIPLE
     int8_swizzle = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
-        functools.partial(_kernel, phases=phases, programs=programs, eps=eps),
+        functools.partial(_kernel, phases=phases, programs=programs, eps=eps, trial=trial),
         out_type=(
             jax.ShapeDtypeStruct((mp, d), h0.dtype),  # h2
             jax.ShapeDtypeStruct((mp, nq), out_dtype),  # qkv
