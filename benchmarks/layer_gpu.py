@@ -55,8 +55,10 @@ def random_layers(layers: int, d: int, f: int, nq: int) -> list[LayerWeights]:
 def kernel_chain(ws, a, h, trial=""):
     from pallas_kernels.quantized_layer.mosaic_gpu import decode_layer
 
+    options = dict(item.split("=") for item in trial.split(",") if "=" in item)
+    trial = ",".join(item for item in trial.split(",") if "=" not in item)
     for w in ws:
-        h, qkv = decode_layer(a, h, w, eps=EPS, trial=trial)
+        h, qkv = decode_layer(a, h, w, eps=EPS, trial=trial, **{k: int(v) for k, v in options.items()})
         a = qkv[:, : a.shape[1]]
     return h, qkv
 
@@ -84,7 +86,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trials", default="", help="semicolon-separated kernel trials also timed (wrong outputs, a "
-                    "bound): no-barrier (phases overlap), no-epilogue (owners finish no tile), or both, comma-joined")
+                    "bound): no-barrier (phases overlap), no-epilogue (owners finish no tile), or both, comma-joined; "
+                    "stages=N (the ring's depth) times a correct variant")
     ap.add_argument("--out", default="benchmarks/results/layer_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B

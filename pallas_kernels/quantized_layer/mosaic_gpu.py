@@ -96,9 +96,11 @@ def _row_vector(ref, shape) -> jax.Array:
 def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_ref, q_ref, q_s,
             h2_ref, qkv_ref, h1_ref, xb_ref, act_ref, ss_ref, slot_ref,
             x_smem, w_smem, p_smem, hand_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
-            ss_smem, tile_bar, free_bar, r_bar, hand_full, hand_empty, rd_bar, sc_bar, gr_bar, ss_bar, *, phases: tuple[Phase, ...], programs: int,
+            ss_smem, pc_smem, tile_bar, free_bar, r_bar, hand_full, hand_empty, g_bar, g_free, sc_bar, gr_bar, ss_bar,
+            *, phases: tuple[Phase, ...], programs: int,
             eps: float, trial: str):
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
+    stages = x_smem.shape[0]
     d = a_ref.shape[1]
     m = x_smem.shape[1]
     arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((len(phases) - 1,)))
@@ -112,6 +114,13 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             return gu_ref.at[pl.ds(tile * ROWS, ROWS), pl.ds(half * d + k_at, BLOCK_K)]
         ref = (wo_ref, None, dn_ref, q_ref)[j]
         return ref.at[pl.ds(tile * BLOCK_N + half * ROWS, ROWS), cols]
+
+    def holders(ph, tile):  # the programs holding the tile's first unit (its owner) and its last: ceil((u+1)·P/T) - 1
+        first = lax.div((tile * ph.steps + 1) * programs + ph.units - 1, ph.units) - 1
+        return first, lax.div((tile + 1) * ph.steps * programs + ph.units - 1, ph.units) - 1
+
+    def slot_rows(tile, half):
+        return pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
 
     runs, bases = [], []
     base = jnp.int32(0)
@@ -130,12 +139,12 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
             def unit(u, j=j, ph=ph, begin=begin):  # (ring slot, weight tile, input offset) of unit u
                 g = bases[j] + u - begin
-                return g, lax.rem(g, STAGES), lax.div(u, ph.steps), lax.rem(u, ph.steps) * BLOCK_K
+                return g, lax.rem(g, stages), lax.div(u, ph.steps), lax.rem(u, ph.steps) * BLOCK_K
 
             def copy_weight(u, j=j):
                 g, slot, tile, k_at = unit(u)
 
-                @pl.when(g >= STAGES)
+                @pl.when(g >= stages)
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
@@ -150,7 +159,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             ahead = begin
             if j:  # the phase's first weight tiles go out before its activations exist: the barrier's wait and
                 # the copies' latency overlap
-                ahead = jnp.minimum(begin + STAGES, end)
+                ahead = jnp.minimum(begin + stages, end)
                 lax.fori_loop(begin, ahead, lambda u, c: copy_weight(u), None)
                 if "no-barrier" not in trial:
                     plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
@@ -162,13 +171,33 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 return carry
 
             lax.fori_loop(ahead, end, step, None)
-        drain(free_bar, STAGES, jnp.maximum(total_steps - STAGES, 0), total_steps)
+            # the run's last tile, if this program owns it and others hold pieces of it: their sums, copied in for
+            # the compute warpgroups' epilogue while they finish their last steps
+            tile = lax.div(end - 1, ph.steps)
+            owner, last = holders(ph, tile)
+
+            @pl.when((begin < end) & (p == owner) & (last > owner))
+            def _gather(j=j, tile=tile, owner=owner, last=last):
+                plgpu.barrier_wait(g_free)
+                for half in range(2):
+                    plgpu.semaphore_wait(pieces_done.at[offsets[j] + tile, half], last - owner, memory_scope="gpu")
+
+                def copy(i, carry):
+                    for half in range(2):
+                        plgpu.copy_gmem_to_smem(slot_ref.at[i, slot_rows(tile, half)], pc_smem.at[i - 1, half],
+                                                g_bar.at[i - 1])
+                    return carry
+
+                lax.fori_loop(1, last - owner + 1, copy, None)
+        drain(free_bar, stages, jnp.maximum(total_steps - stages, 0), total_steps)
 
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
         shape = (ROWS, m)
+
+        plgpu.barrier_arrive(g_free)  # the gathered pieces' buffer starts free
 
         @pl.when(wg == 0)
         def _():
@@ -243,38 +272,36 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 def _():
                     start = jnp.maximum(begin, tile * ph.steps)
                     stop = jnp.minimum(end, (tile + 1) * ph.steps)
-                    owner = lax.div((tile * ph.steps + 1) * programs + ph.units - 1, ph.units) - 1
+                    owner, last = holders(ph, tile)
 
                     @pl.when(p == owner)
                     def _():  # the epilogue's inputs, copied while the product runs
                         fetch(j, ph, tile)
 
                     sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
-                                        lambda u: lax.rem(bases[j] + u - begin, STAGES), interpreted=False)
-                    # the programs holding the tile's first (owner, above) and last units: ceil((u + 1)·P / T) - 1
-                    last = lax.div((tile + 1) * ph.steps * programs + ph.units - 1, ph.units) - 1
+                                        lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
                     piece, done = p - owner, pieces_done.at[offsets[j] + tile, wg]
-                    slot_rows = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
 
                     @pl.when(piece > 0)
                     def _piece():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         p_smem.at[wg][...] = sums
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(p_smem.at[wg], slot_ref.at[piece, slot_rows])
+                        plgpu.copy_smem_to_gmem(p_smem.at[wg], slot_ref.at[piece, slot_rows(tile, wg)])
                         plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
                         plgpu.semaphore_signal(done, 1, memory_scope="gpu")
 
                     @pl.when(piece == 0)
-                    def _owner():
-                        plgpu.semaphore_wait(done, last - owner, memory_scope="gpu")  # back to zero for the next call
-
+                    def _owner():  # the other pieces, gathered by the producer (in a fixed order: deterministic)
                         def add(i, acc):
-                            plgpu.copy_gmem_to_smem(slot_ref.at[i, slot_rows], p_smem.at[wg], rd_bar.at[wg])
-                            plgpu.barrier_wait(rd_bar.at[wg])
-                            return acc + plgpu.layout_cast(p_smem.at[wg][...], plgpu.Layout.WGMMA)
+                            plgpu.barrier_wait(g_bar.at[i - 1])
+                            return acc + plgpu.layout_cast(pc_smem.at[i - 1, wg][...], plgpu.Layout.WGMMA)
 
                         total = lax.fori_loop(1, last - owner + 1, add, sums)
+
+                        @pl.when(last > owner)
+                        def _():
+                            plgpu.barrier_arrive(g_free)
                         if "no-epilogue" not in trial:
                             finish(j, ph, tile, total, r)
 
@@ -341,7 +368,7 @@ def _depart(index, count: int, semaphores) -> None:
 
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
                  programs: int | None = None, interpret_check: bool = True,
-                 trial: str = "") -> tuple[jax.Array, jax.Array]:
+                 trial: str = "", stages: int = STAGES) -> tuple[jax.Array, jax.Array]:
     """See reference.decode_layer. a [m, d] (the attention output, bfloat16 or float16), h0 [m, d], m <= 8."""
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
@@ -372,8 +399,8 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
             jax.ShapeDtypeStruct((max(slots, 2), n_max, mp), jnp.float32),  # pieces' sums (scratch)
         ),
         scratch_types=(
-            plgpu.SMEM((STAGES, mp, BLOCK_K), jnp.float16, transforms=mma_transforms(jnp.float16)),
-            plgpu.SMEM((STAGES, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
+            plgpu.SMEM((stages, mp, BLOCK_K), jnp.float16, transforms=mma_transforms(jnp.float16)),
+            plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
             plgpu.SMEM((2, ROWS, mp), jnp.float32),  # a piece's sums
             plgpu.SMEM((ROWS, mp), jnp.float32),  # warpgroup 1 -> 0
             plgpu.SMEM((ROWS, mp), jnp.float32),  # sums of squares on their way out
@@ -385,12 +412,14 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
             plgpu.SMEM((2, ROWS), w.mlp_norm.dtype),  # gain
             plgpu.SMEM((2, mp, ROWS), h0.dtype),  # residual
             plgpu.SMEM((d // ROWS, mp), jnp.float32),  # the sums of squares of a residual, for its 1/rms
-            plgpu.Barrier(num_arrivals=3, num_barriers=STAGES),  # a step's two weight halves and activations
-            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # both compute warpgroups done with a slot
+            plgpu.SMEM((max(slots - 1, 1), 2, ROWS, mp), jnp.float32),  # the other pieces of an owner's last tile
+            plgpu.Barrier(num_arrivals=3, num_barriers=stages),  # a step's two weight halves and activations
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=1),  # 1/rms
             plgpu.Barrier(num_arrivals=1),  # hand-off full
             plgpu.Barrier(num_arrivals=1),  # hand-off empty
-            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # another piece's sums read (a warpgroup each)
+            plgpu.Barrier(num_arrivals=2, num_barriers=max(slots - 1, 1)),  # a piece gathered (both halves)
+            plgpu.Barrier(num_arrivals=2),  # both compute warpgroups done with the gathered pieces
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # scales
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # gain and residual
             plgpu.Barrier(num_arrivals=1),  # sums of squares
