@@ -134,50 +134,33 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        for j, ph in enumerate(phases):
+        def unit(j, u):  # (ring position, slot, weight tile, input offset) of phase j's unit u
+            g = bases[j] + u - runs[j][0]
+            return g, lax.rem(g, stages), lax.div(u, phases[j].steps), lax.rem(u, phases[j].steps) * BLOCK_K
+
+        def copy_weight(j, u):
+            g, slot, tile, k_at = unit(j, u)
+
+            @pl.when(g >= stages)
+            def _():
+                plgpu.barrier_wait(free_bar.at[slot])
+
+            for half in range(2):
+                plgpu.copy_gmem_to_smem(w_src(j, tile, k_at, half), w_smem.at[slot, pl.ds(half * ROWS, ROWS)],
+                                        tile_bar.at[slot])
+
+        def copy_x(j, u):
+            _, slot, _, k_at = unit(j, u)
+            plgpu.copy_gmem_to_smem(x_srcs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+
+        def gather(j):  # the other pieces of the run's last tile, if this program owns it: copied in for the
+            # compute warpgroups' epilogue while they finish their last steps
             begin, end = runs[j]
-
-            def unit(u, j=j, ph=ph, begin=begin):  # (ring slot, weight tile, input offset) of unit u
-                g = bases[j] + u - begin
-                return g, lax.rem(g, stages), lax.div(u, ph.steps), lax.rem(u, ph.steps) * BLOCK_K
-
-            def copy_weight(u, j=j):
-                g, slot, tile, k_at = unit(u)
-
-                @pl.when(g >= stages)
-                def _():
-                    plgpu.barrier_wait(free_bar.at[slot])
-
-                for half in range(2):
-                    plgpu.copy_gmem_to_smem(w_src(j, tile, k_at, half), w_smem.at[slot, pl.ds(half * ROWS, ROWS)],
-                                            tile_bar.at[slot])
-
-            def copy_x(u, j=j):
-                _, slot, _, k_at = unit(u)
-                plgpu.copy_gmem_to_smem(x_srcs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
-
-            ahead = begin
-            if j:  # the phase's first weight tiles go out before its activations exist: the barrier's wait and
-                # the copies' latency overlap
-                ahead = jnp.minimum(begin + stages, end)
-                lax.fori_loop(begin, ahead, lambda u, c: copy_weight(u), None)
-                if "no-barrier" not in trial:
-                    plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
-                lax.fori_loop(begin, ahead, lambda u, c: copy_x(u), None)
-
-            def step(u, carry, copy_weight=copy_weight, copy_x=copy_x):
-                copy_weight(u)
-                copy_x(u)
-                return carry
-
-            lax.fori_loop(ahead, end, step, None)
-            # the run's last tile, if this program owns it and others hold pieces of it: their sums, copied in for
-            # the compute warpgroups' epilogue while they finish their last steps
-            tile = lax.div(end - 1, ph.steps)
-            owner, last = holders(ph, tile)
+            tile = lax.div(end - 1, phases[j].steps)
+            owner, last = holders(phases[j], tile)
 
             @pl.when((begin < end) & (p == owner) & (last > owner))
-            def _gather(j=j, tile=tile, owner=owner, last=last):
+            def _():
                 plgpu.barrier_wait(g_free)
                 for half in range(2):
                     plgpu.semaphore_wait(pieces_done.at[offsets[j] + tile, half], last - owner, memory_scope="gpu")
@@ -189,6 +172,27 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     return carry
 
                 lax.fori_loop(1, last - owner + 1, copy, None)
+
+        def ahead_of(j):  # phase j's units whose weights go out before the barrier that starts it
+            begin, end = runs[j]
+            return jnp.minimum(begin + stages, end) if j else begin
+
+        for j in range(len(phases)):
+            begin, end = runs[j]
+            if j:  # its first weight tiles went out at the end of the phase before; now its activations exist
+                if "no-barrier" not in trial:
+                    plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+                lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: copy_x(j, u), None)
+
+            def step(u, carry, j=j):
+                copy_weight(j, u)
+                copy_x(j, u)
+                return carry
+
+            lax.fori_loop(ahead_of(j), end, step, None)
+            if j + 1 < len(phases):  # the next phase's first weight tiles, before waiting on anything
+                lax.fori_loop(runs[j + 1][0], ahead_of(j + 1), lambda u, c, j=j: copy_weight(j + 1, u), None)
+            gather(j)
         drain(free_bar, stages, jnp.maximum(total_steps - stages, 0), total_steps)
 
     @pl.when(wg < 2)
@@ -264,7 +268,9 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             begin, end = runs[j]
             if j and "no-barrier" not in trial:
                 plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
-            r = inverse_rms(0 if ph.name == "gate_up" else 1) if ph.name in ("gate_up", "qkv") else None
+            r = None
+            if ph.name in ("gate_up", "qkv"):
+                r = jnp.full(shape, 1.0, jnp.float32) if "no-rms" in trial else inverse_rms(int(ph.name == "qkv"))
             last_tile = lax.div(end - 1, ph.steps)
 
             def fragment(tile, j=j, ph=ph, begin=begin, end=end, r=r):
@@ -288,7 +294,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                         p_smem.at[wg][...] = sums
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(p_smem.at[wg], slot_ref.at[piece, slot_rows(tile, wg)])
-                        plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
+                        if "no-piece-wait" not in trial:
+                            plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
                         plgpu.semaphore_signal(done, 1, memory_scope="gpu")
 
                     @pl.when(piece == 0)
