@@ -81,6 +81,45 @@ def model_chain(ws, a, h):
     return h[:rows], qkv[:rows]
 
 
+def profile(w, a, h, directory: str) -> None:
+    """One layer kernel traced by Mosaic GPU's profiler (after an unprofiled call: it traces a kernel's first call
+    only), summarised per phase: for each region, over the warpgroups that ran it, the median and largest time
+    spent, and when the phase's last warpgroup left it. Profiled times run long (the notes of session 20 found
+    1.75x on the fused MLP): read the shape, not the microseconds."""
+    import collections
+    import glob
+    import json
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from pallas_kernels.quantized_layer.mosaic_gpu import decode_layer
+
+    jax.block_until_ready(jax.jit(lambda a, h, w: decode_layer(a, h, w, eps=EPS))(a, h, w))
+    params = plgpu.CompilerParams(profile_space=256, profile_dir=directory)
+    jax.block_until_ready(jax.jit(lambda a, h, w: decode_layer(a, h, w, eps=EPS, compiler_params=params))(a, h, w))
+    path = max(glob.glob(os.path.join(directory, "*.json")), key=os.path.getmtime)
+    events = json.load(open(path))["traceEvents"]
+    t0 = min(e["ts"] for e in events)
+    spans = collections.defaultdict(list)  # region -> [(tid, start, end)]
+    open_at = {}
+    for e in events:
+        key = (e["tid"], e["name"])
+        if e["ph"] == "B":
+            open_at[key] = e["ts"] - t0
+        else:
+            spans[e["name"]].append((e["tid"], open_at.pop(key), e["ts"] - t0))
+    print(f"{path}: {len(events)} events; kernel {max(e['ts'] for e in events) - t0:.1f} us")
+    print(f"{'region':18s} {'count':>5s} {'median us':>9s} {'max us':>7s} {'first in':>8s} {'last out':>8s}")
+    for name in sorted(spans, key=lambda n: min(s for _, s, _ in spans[n])):
+        durations = sorted(end - start for _, start, end in spans[name])
+        # a warpgroup may run a region several times (fragments): its total
+        per_wg = collections.Counter()
+        for tid, start, end in spans[name]:
+            per_wg[tid] += end - start
+        totals = sorted(per_wg.values())
+        print(f"{name:18s} {len(durations):5d} {totals[len(totals) // 2]:9.2f} {totals[-1]:7.2f} "
+              f"{min(s for _, s, _ in spans[name]):8.1f} {max(e for _, _, e in spans[name]):8.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -88,6 +127,8 @@ def main():
     ap.add_argument("--trials", default="", help="semicolon-separated kernel trials also timed (wrong outputs, a "
                     "bound): no-barrier (phases overlap), no-epilogue (owners finish no tile), or both, comma-joined; "
                     "stages=N (the ring's depth) times a correct variant")
+    ap.add_argument("--profile-dir", default="", help="trace one layer kernel's named regions per warpgroup "
+                    "(Mosaic GPU's profiler) into this directory, print where each phase's time goes, then exit")
     ap.add_argument("--out", default="benchmarks/results/layer_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -98,6 +139,8 @@ def main():
     key = jax.random.PRNGKey(99)
     a = jax.random.normal(key, (1, d), jnp.float32).astype(jnp.bfloat16)
     h = (jax.random.normal(jax.random.PRNGKey(98), (1, d), jnp.float32) * 4).astype(jnp.bfloat16)
+    if args.profile_dir:
+        return profile(ws[0], a, h, args.profile_dir)
     kernel_fn, model_fn = jax.jit(kernel_chain), jax.jit(model_chain)
     hk, qk = kernel_fn(ws, a, h)
     hm, qm = model_fn(ws, a, h)

@@ -181,7 +181,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             begin, end = runs[j]
             if j:  # its first weight tiles went out at the end of the phase before; now its activations exist
                 if "no-barrier" not in trial:
-                    plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+                    with jax.named_scope(f"{phases[j].name}_barrier"):
+                        plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
                 lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: copy_x(j, u), None)
 
             def step(u, carry, j=j):
@@ -189,11 +190,13 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 copy_x(j, u)
                 return carry
 
-            lax.fori_loop(ahead_of(j), end, step, None)
+            with jax.named_scope(f"{phases[j].name}_issue"):
+                lax.fori_loop(ahead_of(j), end, step, None)
             # first the owner's pieces (the epilogue waits on them; sent first, they arrive while the last steps are
             # computed: measured 118.0 against 122.3 us a layer the other way round), then the next phase's first
             # weight tiles, before the barrier
-            gather(j)
+            with jax.named_scope(f"{phases[j].name}_gather"):
+                gather(j)
             if j + 1 < len(phases):
                 lax.fori_loop(runs[j + 1][0], ahead_of(j + 1), lambda u, c, j=j: copy_weight(j + 1, u), None)
         drain(free_bar, stages, jnp.maximum(total_steps - stages, 0), total_steps)
@@ -270,10 +273,12 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         for j, ph in enumerate(phases):
             begin, end = runs[j]
             if j and "no-barrier" not in trial:
-                plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+                with jax.named_scope(f"{ph.name}_barrier"):
+                    plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
             r = None
             if ph.name in ("gate_up", "qkv"):
-                r = jnp.full(shape, 1.0, jnp.float32) if "no-rms" in trial else inverse_rms(int(ph.name == "qkv"))
+                with jax.named_scope(f"{ph.name}_rms"):
+                    r = jnp.full(shape, 1.0, jnp.float32) if "no-rms" in trial else inverse_rms(int(ph.name == "qkv"))
             last_tile = lax.div(end - 1, ph.steps)
 
             def fragment(tile, j=j, ph=ph, begin=begin, end=end, r=r):
@@ -287,11 +292,13 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     def _():  # the epilogue's inputs, copied while the product runs
                         fetch(j, ph, tile)
 
-                    sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
-                                        lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
+                    with jax.named_scope(f"{ph.name}_product"):
+                        sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
+                                            lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
                     piece, done = p - owner, pieces_done.at[offsets[j] + tile, wg]
 
                     @pl.when(piece > 0)
+                    @jax.named_scope(f"{ph.name}_piece")
                     def _piece():
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         p_smem.at[wg][...] = sums
@@ -302,6 +309,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                         plgpu.semaphore_signal(done, 1, memory_scope="gpu")
 
                     @pl.when(piece == 0)
+                    @jax.named_scope(f"{ph.name}_owner")
                     def _owner():  # the other pieces, gathered by the producer (in a fixed order: deterministic)
                         def add(i, acc):
                             plgpu.barrier_wait(g_bar.at[i - 1])
@@ -378,7 +386,8 @@ def _depart(index, count: int, semaphores) -> None:
 
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
                  programs: int | None = None, interpret_check: bool = True,
-                 trial: str = "", stages: int = STAGES) -> tuple[jax.Array, jax.Array]:
+                 trial: str = "", stages: int = STAGES,
+                 compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
     """See reference.decode_layer. a [m, d] (the attention output, bfloat16 or float16), h0 [m, d], m <= 8."""
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
@@ -434,7 +443,7 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # gain and residual
             plgpu.Barrier(num_arrivals=1),  # sums of squares
         ),
-        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
+        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg", compiler_params=compiler_params,
     )
     outs = kernel(a16, h0p, w.wo, w.wo_scales, w.mlp_norm, w.gate_up.reshape(f, 2 * d), w.gate_up_scales, w.down,
                   w.down_scales, w.attn_norm, w.qkv, w.qkv_scales)
