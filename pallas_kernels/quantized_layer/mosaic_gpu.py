@@ -97,7 +97,6 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             h2_ref, qkv_ref, h1_ref, xb_ref, act_ref, ss_ref, slot_ref,
             x_smem, w_smem, p_smem, hand_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
             ss_smem, pc_smem, tile_bar, free_bar, r_bar, hand_full, hand_empty, g_bar, g_free, sc_bar, gr_bar, ss_bar,
-            pc_ready, pc_free,
             *, phases: tuple[Phase, ...], programs: int,
             eps: float, trial: str):
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -178,26 +177,6 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             begin, end = runs[j]
             return jnp.minimum(begin + stages, end) if j else begin
 
-        def first_piece(j):  # (whether the run begins with a piece of a tile another program owns, its end)
-            begin, end = runs[j]
-            tile = lax.div(begin, phases[j].steps)
-            owner, _ = holders(phases[j], tile)
-            return (begin < end) & (p > owner), jnp.minimum(end, (tile + 1) * phases[j].steps), tile, p - owner
-
-        def send_piece(j):  # the compute warpgroups' sums of the run's first piece, from shared to global memory
-            _, _, tile, piece = first_piece(j)
-            plgpu.barrier_wait(pc_ready)
-            for half in range(2):
-                plgpu.copy_smem_to_gmem(p_smem.at[half], slot_ref.at[piece, slot_rows(tile, half)])
-
-        def signal_piece(j):  # ... once they are in global memory: the owner may read them
-            _, _, tile, _ = first_piece(j)
-            plgpu.wait_smem_to_gmem(0)
-            plgpu.barrier_arrive(pc_free)
-            for half in range(2):
-                plgpu.semaphore_signal(pieces_done.at[offsets[j] + tile, half], 1, memory_scope="gpu")
-
-        plgpu.barrier_arrive(pc_free)  # the piece buffer starts free
         for j in range(len(phases)):
             begin, end = runs[j]
             if j:  # its first weight tiles went out at the end of the phase before; now its activations exist
@@ -211,36 +190,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 copy_x(j, u)
                 return carry
 
-            # The run's first piece leaves through this warpgroup, off the compute warpgroups' path: its sums are
-            # stored once the compute warpgroups have handed back the slot of its last unit (here, before the copy
-            # `stages` units on), and signalled `stages` units later, when the store is long complete.
-            has_piece, piece_end, _, _ = first_piece(j)
-            send_at = jnp.where(has_piece, jnp.clip(piece_end - 1 + stages, ahead_of(j), end), end)
-            signal_at = jnp.where(has_piece, jnp.clip(send_at + stages, send_at, end), end)
             with jax.named_scope(f"{phases[j].name}_issue"):
-                lax.fori_loop(ahead_of(j), send_at, step, None)
-
-                @pl.when(has_piece & (send_at < end))
-                def _(j=j):
-                    copy_weight(j, send_at)  # (waits for the piece's last unit: its slot comes back first)
-                    send_piece(j)
-                    copy_x(j, send_at)
-
-                lax.fori_loop(jnp.minimum(send_at + has_piece.astype(jnp.int32), end), signal_at, step, None)
-
-                @pl.when(has_piece & (signal_at < end))
-                def _(j=j):
-                    signal_piece(j)
-
-                lax.fori_loop(signal_at, end, step, None)
-
-                @pl.when(has_piece & (send_at == end))
-                def _(j=j):
-                    send_piece(j)
-
-                @pl.when(has_piece & (signal_at == end))
-                def _(j=j):
-                    signal_piece(j)
+                lax.fori_loop(ahead_of(j), end, step, None)
             # first the owner's pieces (the epilogue waits on them; sent first, they arrive while the last steps are
             # computed: measured 118.0 against 122.3 us a layer the other way round), then the next phase's first
             # weight tiles, before the barrier
@@ -344,15 +295,18 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     with jax.named_scope(f"{ph.name}_product"):
                         sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
                                             lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
-                    piece = p - owner
+                    piece, done = p - owner, pieces_done.at[offsets[j] + tile, wg]
 
                     @pl.when(piece > 0)
                     @jax.named_scope(f"{ph.name}_piece")
-                    def _piece():  # (only a run's first fragment is a piece: the producer sends it on)
-                        plgpu.barrier_wait(pc_free)
+                    def _piece():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         p_smem.at[wg][...] = sums
                         plgpu.commit_smem()
-                        plgpu.barrier_arrive(pc_ready)
+                        plgpu.copy_smem_to_gmem(p_smem.at[wg], slot_ref.at[piece, slot_rows(tile, wg)])
+                        if "no-piece-wait" not in trial:
+                            plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
+                        plgpu.semaphore_signal(done, 1, memory_scope="gpu")
 
                     @pl.when(piece == 0)
                     @jax.named_scope(f"{ph.name}_owner")
@@ -488,8 +442,6 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # scales
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # gain and residual
             plgpu.Barrier(num_arrivals=1),  # sums of squares
-            plgpu.Barrier(num_arrivals=2),  # a piece's sums in shared memory (both compute warpgroups)
-            plgpu.Barrier(num_arrivals=1),  # ... and sent: the buffer is free
         ),
         grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg", compiler_params=compiler_params,
     )
