@@ -173,6 +173,16 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
                 lax.fori_loop(1, last - owner + 1, copy, None)
 
+        def phase_rms(i):  # the norm's 1/rms of each row, from the sums of squares in ss_ref[i], into r_smem
+            # [64, m] for the compute warpgroups' epilogues (this warpgroup has the time: the compute warpgroups
+            # start on the units whose tiles are already on their way)
+            plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem, ss_bar)
+            plgpu.barrier_wait(ss_bar)
+            total = sum(jnp.sum(plgpu.layout_cast(ss_smem[pl.ds(c, SS_ROWS)], plgpu.Layout.WGMMA), axis=0)
+                        for c in range(0, ss_smem.shape[0], SS_ROWS))
+            r_smem[...] = lax.broadcast_in_dim(lax.rsqrt(total / d + eps), (ROWS, m), [1])
+            plgpu.barrier_arrive(r_bar)
+
         def ahead_of(j):  # phase j's units whose weights go out before the barrier that starts it
             begin, end = runs[j]
             return jnp.minimum(begin + stages, end) if j else begin
@@ -184,6 +194,9 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     with jax.named_scope(f"{phases[j].name}_barrier"):
                         plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
                 lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: copy_x(j, u), None)
+                if phases[j].name in ("gate_up", "qkv"):
+                    with jax.named_scope(f"{phases[j].name}_rms"):
+                        phase_rms(int(phases[j].name == "qkv"))
 
             def step(u, carry, j=j):
                 copy_weight(j, u)
@@ -237,22 +250,6 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf, ref)
 
-        def inverse_rms(i):  # [64, m]: the norm's 1/rms of each row, from the sums of squares in ss_ref[i]
-            @pl.when(wg == 0)
-            def _():
-                plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem, ss_bar)
-                plgpu.barrier_wait(ss_bar)
-                total = sum(jnp.sum(plgpu.layout_cast(ss_smem[pl.ds(c, SS_ROWS)], plgpu.Layout.WGMMA), axis=0)
-                            for c in range(0, ss_smem.shape[0], SS_ROWS))
-                r_smem[...] = lax.broadcast_in_dim(lax.rsqrt(total / d + eps), shape, [1])
-                plgpu.barrier_arrive(r_bar)
-
-            @pl.when(wg == 1)
-            def _():
-                plgpu.barrier_wait(r_bar)
-
-            return plgpu.layout_cast(r_smem[...], plgpu.Layout.WGMMA)
-
         def finish_residual(tile, v, out_ref, ss):  # wo and down: h = residual + v, x = h · gain (fetched)
             cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
             plgpu.barrier_wait(gr_bar.at[wg])
@@ -275,13 +272,9 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             if j and "no-barrier" not in trial:
                 with jax.named_scope(f"{ph.name}_barrier"):
                     plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
-            r = None
-            if ph.name in ("gate_up", "qkv"):
-                with jax.named_scope(f"{ph.name}_rms"):
-                    r = jnp.full(shape, 1.0, jnp.float32) if "no-rms" in trial else inverse_rms(int(ph.name == "qkv"))
             last_tile = lax.div(end - 1, ph.steps)
 
-            def fragment(tile, j=j, ph=ph, begin=begin, end=end, r=r):
+            def fragment(tile, f, j=j, ph=ph, begin=begin, end=end):
                 @pl.when((tile <= last_tile) & (begin < end))
                 def _():
                     start = jnp.maximum(begin, tile * ph.steps)
@@ -296,6 +289,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                         sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
                                             lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
                     piece, done = p - owner, pieces_done.at[offsets[j] + tile, wg]
+                    if f == 0 and ph.name in ("gate_up", "qkv"):  # the producer's 1/rms (phase_rms), long ready
+                        plgpu.barrier_wait(r_bar)
 
                     @pl.when(piece > 0)
                     @jax.named_scope(f"{ph.name}_piece")
@@ -321,7 +316,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                         def _():
                             plgpu.barrier_arrive(g_free)
                         if "no-epilogue" not in trial:
-                            finish(j, ph, tile, total, r)
+                            finish(j, ph, tile, total)
 
             def fetch(j, ph, tile):  # the owner's per-channel scales, and for wo and down the gain and residual
                 cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
@@ -340,7 +335,9 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 plgpu.barrier_wait(sc_bar.at[wg])
                 return total * _row_vector(sc_smem.at[wg], shape) * (1 / X_SHIFT)
 
-            def finish(j, ph, tile, total, r):
+            def finish(j, ph, tile, total):
+                if ph.name in ("gate_up", "qkv"):
+                    r = plgpu.layout_cast(r_smem[...], plgpu.Layout.WGMMA)
                 if ph.name == "wo":
                     finish_residual(tile, scaled(total), h1_ref, ss_ref.at[0])
                 elif ph.name == "gate_up":
@@ -363,7 +360,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
             first = lax.div(begin, ph.steps)
             for f in range(ph.fragments):
-                fragment(first + f)
+                fragment(first + f, f)
             plgpu.wait_smem_to_gmem(0)  # this phase's outputs are in global memory before the barrier
             if j < len(phases) - 1:
                 plgpu.semaphore_signal(arrived.at[j], 1, memory_scope="gpu")
