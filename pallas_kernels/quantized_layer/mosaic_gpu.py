@@ -27,7 +27,16 @@ A grid barrier (a global semaphore every warpgroup signals) ends each phase but 
 activations, and the sums of squares its 1/rms needs, are complete only then. The producer warpgroup waits on it
 before copying the next phase's activations; the weight copies of a phase do not depend on it.
 
-Only on a GPU: grid-shared semaphores have no interpreter.
+Only on a GPU: grid-shared semaphores have no interpreter (tests lower it for CUDA on the CPU and run it on the GPU).
+
+Status (H100, JAX 0.11.2, benchmarks/layer_gpu.py, 4 layers of 8B shapes at batch 1, device time): correct (within
+7e-3 of the model's path after 4 layers; its GPU tests pass) but slower than the model's path for the same math:
+118.6 against 99.8 us a layer. So the model does not call it. Trials (wrong outputs, bounds): without the grid
+barriers 97.3 us, and without barriers, epilogues and the pieces' waits 92.9 us: the phase boundaries cost ~20 us
+a layer, and even unsynchronised the phases stream at 0.80 of a device copy where the separate gate_up kernel reaches
+0.95. A profile (benchmarks/int8_gpu_notes.md, session 23) puts the loss on the compute warpgroups: each run's first
+piece (its store and signal) and each owned tile's epilogue stop them for microseconds while the copy ring is full,
+and phase ends wait on the slowest owner.
 """
 
 from __future__ import annotations
@@ -45,8 +54,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import backend as backend_lib
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms
 from pallas_kernels.quantized_layer.reference import LayerWeights
-from pallas_kernels.quantized_matmul.mosaic_gpu import (ROW_MULTIPLE, ROWS, X_SHIFT, drain, ring_product,
-                                                        store_transposed, stream_k_plan)
+from pallas_kernels.quantized_matmul.mosaic_gpu import (
+    ROW_MULTIPLE,
+    ROWS,
+    X_SHIFT,
+    drain,
+    ring_product,
+    store_transposed,
+    stream_k_plan,
+)
 
 NUM_SMS = backend_lib.NUM_SMS
 BLOCK_N = 2 * ROWS  # weight rows a tile: 64 a compute warpgroup
@@ -274,7 +290,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
             last_tile = lax.div(end - 1, ph.steps)
 
-            def fragment(tile, f, j=j, ph=ph, begin=begin, end=end):
+            def fragment(tile, f, j=j, ph=ph, begin=begin, end=end, last_tile=last_tile):
                 @pl.when((tile <= last_tile) & (begin < end))
                 def _():
                     start = jnp.maximum(begin, tile * ph.steps)
@@ -382,18 +398,49 @@ def _depart(index, count: int, semaphores) -> None:
 
 
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
-                 programs: int | None = None, interpret_check: bool = True,
-                 trial: str = "", stages: int = STAGES,
+                 programs: int | None = None, stages: int = STAGES, trial: str = "",
                  compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
-    """See reference.decode_layer. a [m, d] (the attention output, bfloat16 or float16), h0 [m, d], m <= 8."""
+    """See reference.decode_layer: a [m, d] (the attention output, bfloat16 or float16) and the residual h0 [m, d],
+    m <= 8, -> (h2 [m, d], qkv [m, nq]). `programs`: one an SM, all resident (default NUM_SMS); `stages`: the copy
+    ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-barrier", "no-epilogue",
+    "no-piece-wait", comma-joined: benchmarks/layer_gpu.py); `compiler_params`: e.g. a Mosaic GPU profile_dir."""
+    if jax.default_backend() != "gpu":
+        raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
+    device = jax.devices()[0]
+    if getattr(device, "core_count", NUM_SMS) < (programs or NUM_SMS):
+        raise ValueError(f"programs={programs or NUM_SMS} must all be resident (one an SM): {device.device_kind} has "
+                         f"{device.core_count} SMs")
+    return _decode_layer(a, h0, w, eps=eps, out_dtype=out_dtype, programs=programs, stages=stages, trial=trial,
+                         compiler_params=compiler_params)
+
+
+def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, programs: int, stages: int) -> None:
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
     if not supports(m, d, f, nq):
         raise ValueError(f"the layer kernel takes m <= {ROW_MULTIPLE} rows, d a multiple of {SS_ROWS * ROWS}, f a "
                          f"multiple of {BLOCK_K} and nq of {BLOCK_N}; got m={m}, d={d}, f={f}, nq={nq}")
+    want = {"h0": (h0.shape, (m, d)), "wo": (w.wo.shape, (d, d)), "wo_scales": (w.wo_scales.shape, (d,)),
+            "mlp_norm": (w.mlp_norm.shape, (d,)), "gate_up": (w.gate_up.shape, (f, 2, d)),
+            "gate_up_scales": (w.gate_up_scales.shape, (2, f)), "down": (w.down.shape, (d, f)),
+            "down_scales": (w.down_scales.shape, (d,)), "attn_norm": (w.attn_norm.shape, (d,)),
+            "qkv": (w.qkv.shape, (nq, d)), "qkv_scales": (w.qkv_scales.shape, (nq,))}
+    for name, (got, expected) in want.items():
+        if tuple(got) != expected:
+            raise ValueError(f"{name} has shape {tuple(got)}; the layer of a {tuple(a.shape)} input needs {expected}")
+    for name in ("wo", "gate_up", "down", "qkv"):
+        if getattr(w, name).dtype != jnp.int8:
+            raise ValueError(f"{name} must be int8 values, got {getattr(w, name).dtype}")
+    if not 1 <= programs <= NUM_SMS or not 2 <= stages <= 5:
+        raise ValueError(f"programs={programs} must be 1-{NUM_SMS} and stages={stages} 2-5 (shared memory)")
+
+
+def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES, trial="", compiler_params=None):
+    """decode_layer without the device checks (tests lower it for CUDA on the CPU)."""
     programs = programs or NUM_SMS
-    if interpret_check and jax.default_backend() != "gpu":
-        raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
+    _check(a, h0, w, programs, stages)
+    m, d = a.shape
+    f, nq = w.gate_up.shape[0], w.qkv.shape[0]
     phases = plan(d, f, nq, programs)
     out_dtype = jnp.dtype(out_dtype or h0.dtype)
     pad = ((0, ROW_MULTIPLE - m), (0, 0))

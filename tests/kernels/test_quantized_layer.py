@@ -57,7 +57,7 @@ def test_layer_kernel_lowers_for_cuda_on_the_8b_layer():
     w = LayerWeights(s((d, d), jnp.int8), s((d,), jnp.float32), s((d,), jnp.bfloat16), s((f, 2, d), jnp.int8),
                      s((2, f), jnp.float32), s((d, f), jnp.int8), s((d,), jnp.float32), s((d,), jnp.bfloat16),
                      s((nq, d), jnp.int8), s((nq,), jnp.float32))
-    jax.jit(lambda a, h, w: mosaic_gpu.decode_layer(a, h, w, eps=1e-5, interpret_check=False)).trace(
+    jax.jit(lambda a, h, w: mosaic_gpu._decode_layer(a, h, w, eps=1e-5)).trace(
         s((1, d), jnp.bfloat16), s((1, d), jnp.bfloat16), w).lower(lowering_platforms=("cuda",))
 
 
@@ -81,3 +81,22 @@ def test_layer_kernel_matches_reference(m, f, programs):
         scale = float(jnp.abs(want_qkv.astype(jnp.float32)).max())
         np.testing.assert_allclose(np.asarray(qkv, np.float32), np.asarray(want_qkv, np.float32), rtol=2e-2,
                                    atol=2e-2 * scale)
+
+
+def test_layer_kernel_names_what_it_cannot_take():
+    from pallas_kernels.quantized_layer import mosaic_gpu
+
+    rng = np.random.default_rng(1)
+    w = random_layer(rng, 4096, 256, 128)
+    a = h0 = jnp.zeros((1, 4096), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"gate_up_scales has shape \(256, 2\)"):
+        mosaic_gpu._decode_layer(a, h0, w._replace(gate_up_scales=w.gate_up_scales.T), eps=1e-5)
+    with pytest.raises(ValueError, match="down must be int8 values"):
+        mosaic_gpu._decode_layer(a, h0, w._replace(down=w.down.astype(jnp.int16)), eps=1e-5)
+    with pytest.raises(ValueError, match="m <= 8 rows, d a multiple of 4096"):
+        mosaic_gpu._decode_layer(jnp.zeros((9, 4096), jnp.bfloat16), jnp.zeros((9, 4096), jnp.bfloat16), w, eps=1e-5)
+    with pytest.raises(ValueError, match="programs=200 must be 1-132"):
+        mosaic_gpu._decode_layer(a, h0, w, eps=1e-5, programs=200)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(NotImplementedError, match="no interpreted form"):
+            mosaic_gpu.decode_layer(a, h0, w, eps=1e-5)
