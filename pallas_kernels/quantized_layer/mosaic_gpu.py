@@ -69,6 +69,8 @@ BLOCK_N = 2 * ROWS  # weight rows a tile: 64 a compute warpgroup
 BLOCK_K = 256  # inputs a step
 STAGES = 3
 SS_ROWS = 64  # the sums of squares are read as [64, rows] tiles: d must be a multiple of 64 · 64
+# registers a thread, by warpgroup (two compute, the producer, the epilogue): 512 in all, the H100's 64K over 512 threads
+COMPUTE_REGISTERS, PRODUCER_REGISTERS, EPILOGUE_REGISTERS = 200, 40, 72
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +113,8 @@ def _row_vector(ref, shape) -> jax.Array:
 
 def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_ref, q_ref, q_s,
             h2_ref, qkv_ref, h1_ref, xb_ref, act_ref, ss_ref, slot_ref,
-            x_smem, w_smem, p_smem, hand_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
-            ss_smem, pc_smem, tile_bar, free_bar, r_bar, hand_full, hand_empty, g_bar, g_free, sc_bar, gr_bar, ss_bar,
+            x_smem, w_smem, ep_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
+            ss_smem, pc_smem, tile_bar, free_bar, r_bar, ep_ready, ep_free, g_bar, g_free, sc_bar, gr_bar, ss_bar,
             *, phases: tuple[Phase, ...], programs: int,
             eps: float, trial: str):
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -149,7 +151,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         def unit(j, u):  # (ring position, slot, weight tile, input offset) of phase j's unit u
             g = bases[j] + u - runs[j][0]
             return g, lax.rem(g, stages), lax.div(u, phases[j].steps), lax.rem(u, phases[j].steps) * BLOCK_K
@@ -206,12 +208,17 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         for j in range(len(phases)):
             begin, end = runs[j]
             if j:  # its first weight tiles went out at the end of the phase before; now its activations exist
-                if "no-barrier" not in trial:
-                    with jax.named_scope(f"{phases[j].name}_barrier"):
-                        plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
+                if "no-barrier" not in trial:  # (a program with no units here copies nothing: it need not wait, and
+                    # must not: the barrier's semaphore may be reset once every epilogue warpgroup has left)
+                    @pl.when(begin < end)
+                    @jax.named_scope(f"{phases[j].name}_barrier")
+                    def _(j=j):
+                        plgpu.semaphore_wait(arrived.at[j - 1], programs, decrement=False, memory_scope="gpu")
                 lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: copy_x(j, u), None)
-                if phases[j].name in ("gate_up", "qkv"):
-                    with jax.named_scope(f"{phases[j].name}_rms"):
+                if phases[j].name in ("gate_up", "qkv"):  # (waited for by the epilogue's first fragment, if any)
+                    @pl.when(begin < end)
+                    @jax.named_scope(f"{phases[j].name}_rms")
+                    def _(j=j):
                         phase_rms(int(phases[j].name == "qkv"))
 
             def step(u, carry, j=j):
@@ -231,29 +238,39 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         drain(free_bar, stages, jnp.maximum(total_steps - stages, 0), total_steps)
 
     @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
+    def _compute():  # products only: each fragment's sums go to the epilogue warpgroup through shared memory
+        plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
+        for j, ph in enumerate(phases):
+            begin, end = runs[j]
+            last_tile = lax.div(end - 1, ph.steps)
+
+            def fragment(tile, f, j=j, ph=ph, begin=begin, end=end, last_tile=last_tile):
+                @pl.when((tile <= last_tile) & (begin < end))
+                def _():
+                    start = jnp.maximum(begin, tile * ph.steps)
+                    stop = jnp.minimum(end, (tile + 1) * ph.steps)
+                    with jax.named_scope(f"{ph.name}_product"):
+                        sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
+                                            lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
+                    plgpu.barrier_wait(ep_free.at[f % 2])
+                    ep_smem.at[f % 2, wg][...] = sums
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ep_ready.at[f % 2])
+
+            first = lax.div(begin, ph.steps)
+            for f in range(ph.fragments):
+                fragment(first + f, f)
+
+    @pl.when(wg == 3)
+    def _epilogue():  # the pieces' stores and signals, the owners' epilogues, the barriers' signals
+        plgpu.set_max_registers(EPILOGUE_REGISTERS, action="decrease")
         shape = (ROWS, m)
+        for slot in range(2):
+            plgpu.barrier_arrive(ep_free.at[slot])  # both hand-over buffers start free
+        plgpu.barrier_arrive(g_free)  # so does the gathered pieces' buffer
 
-        plgpu.barrier_arrive(g_free)  # the gathered pieces' buffer starts free
-
-        @pl.when(wg == 0)
-        def _():
-            plgpu.barrier_arrive(hand_empty)  # the hand-off buffer starts empty
-
-        def hand_over(v):  # warpgroup 1's [64, m] float32 to warpgroup 0 (which calls take_over)
-            plgpu.barrier_wait(hand_empty)
-            hand_smem[...] = v
-            plgpu.barrier_arrive(hand_full)
-
-        def take_over():
-            plgpu.barrier_wait(hand_full)
-            v = plgpu.layout_cast(hand_smem[...], plgpu.Layout.WGMMA)
-            plgpu.barrier_arrive(hand_empty)
-            return v
-
-        def row_sums_out(v, ref):  # warpgroup 0: v [64, m]'s column sums into ref [1, m] in global memory
+        def row_sums_out(v, ref):  # v [64, m]'s column sums into ref [1, m] in global memory
             total = lax.broadcast_in_dim(jnp.sum(v, axis=0), shape, [1])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             sq_smem[...] = total
@@ -266,113 +283,96 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf, ref)
 
-        def finish_residual(tile, v, out_ref, ss):  # wo and down: h = residual + v, x = h · gain (fetched)
-            cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
-            plgpu.barrier_wait(gr_bar.at[wg])
-            h = (_load_t(res_smem.at[wg]) + v).astype(out_ref.dtype).astype(jnp.float32)
-            store_out(h, ob_smem.at[wg], out_ref.at[:, cols])
-            x = h * _row_vector(g_smem.at[wg], shape) * X_SHIFT
-            store_out(x, of_smem.at[wg], xb_ref.at[:, cols])
+        def fetch(ph, tile):  # an owner's per-channel scales, and for wo and down the gain and residual, by half
+            for half in range(2):
+                cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
+                if ph.name == "gate_up":
+                    scales = gu_s.at[half, pl.ds(tile * ROWS, ROWS)]
+                else:
+                    scales = {"wo": wo_s, "down": dn_s, "qkv": q_s}[ph.name].at[cols]
+                plgpu.copy_gmem_to_smem(scales, sc_smem.at[half], sc_bar.at[half])
+                if ph.name in ("wo", "down"):
+                    gain, res = (gm_ref, h0_ref) if ph.name == "wo" else (ga_ref, h1_ref)
+                    plgpu.copy_gmem_to_smem(gain.at[cols], g_smem.at[half], gr_bar.at[half])
+                    plgpu.copy_gmem_to_smem(res.at[:, cols], res_smem.at[half], gr_bar.at[half])
 
-            @pl.when(wg == 1)
-            def _():
-                hand_over(h * h)
+        def scaled(total, half):
+            plgpu.barrier_wait(sc_bar.at[half])
+            return total * _row_vector(sc_smem.at[half], shape) * (1 / X_SHIFT)
 
-            @pl.when(wg == 0)
-            def _():
-                row_sums_out(h * h, ss.at[pl.ds(2 * tile, 1)])
-                row_sums_out(take_over(), ss.at[pl.ds(2 * tile + 1, 1)])
+        def finish_residual(tile, totals, out_ref, ss):  # wo and down: h = residual + sums, x = h · gain
+            for half in range(2):
+                cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
+                v = scaled(totals[half], half)
+                plgpu.barrier_wait(gr_bar.at[half])
+                h = (_load_t(res_smem.at[half]) + v).astype(out_ref.dtype).astype(jnp.float32)
+                store_out(h, ob_smem.at[half], out_ref.at[:, cols])
+                store_out(h * _row_vector(g_smem.at[half], shape) * X_SHIFT, of_smem.at[half], xb_ref.at[:, cols])
+                row_sums_out(h * h, ss.at[pl.ds(2 * tile + half, 1)])
+
+        def finish(ph, tile, totals):
+            if ph.name in ("gate_up", "qkv"):
+                r = plgpu.layout_cast(r_smem[...], plgpu.Layout.WGMMA)
+            if ph.name == "wo":
+                finish_residual(tile, totals, h1_ref, ss_ref.at[0])
+            elif ph.name == "gate_up":  # half 0 the tile's gate rows, half 1 the same channels' up rows
+                g, u = scaled(totals[0], 0) * r, scaled(totals[1], 1) * r
+                store_out(g / (1.0 + jnp.exp(-g)) * u * X_SHIFT, of_smem.at[0], act_ref.at[:, pl.ds(tile * ROWS, ROWS)])
+            elif ph.name == "down":
+                finish_residual(tile, totals, h2_ref, ss_ref.at[1])
+            else:
+                for half in range(2):
+                    cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
+                    store_out(scaled(totals[half], half) * r, oq_smem.at[half], qkv_ref.at[:, cols])
 
         for j, ph in enumerate(phases):
             begin, end = runs[j]
-            if j and "no-barrier" not in trial:
-                with jax.named_scope(f"{ph.name}_barrier"):
-                    plgpu.semaphore_wait(arrived.at[j - 1], 2 * programs, decrement=False, memory_scope="gpu")
             last_tile = lax.div(end - 1, ph.steps)
 
             def fragment(tile, f, j=j, ph=ph, begin=begin, end=end, last_tile=last_tile):
                 @pl.when((tile <= last_tile) & (begin < end))
                 def _():
-                    start = jnp.maximum(begin, tile * ph.steps)
-                    stop = jnp.minimum(end, (tile + 1) * ph.steps)
                     owner, last = holders(ph, tile)
+                    piece = p - owner
 
-                    @pl.when(p == owner)
+                    @pl.when(piece == 0)
                     def _():  # the epilogue's inputs, copied while the product runs
-                        fetch(j, ph, tile)
+                        fetch(ph, tile)
 
-                    with jax.named_scope(f"{ph.name}_product"):
-                        sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
-                                            lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
-                    piece, done = p - owner, pieces_done.at[offsets[j] + tile, wg]
-                    if f == 0 and ph.name in ("gate_up", "qkv"):  # the producer's 1/rms (phase_rms), long ready
+                    if f == 0 and ph.name in ("gate_up", "qkv"):  # the producer's 1/rms (phase_rms)
                         plgpu.barrier_wait(r_bar)
+                    plgpu.barrier_wait(ep_ready.at[f % 2])
 
                     @pl.when(piece > 0)
                     @jax.named_scope(f"{ph.name}_piece")
                     def _piece():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        p_smem.at[wg][...] = sums
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(p_smem.at[wg], slot_ref.at[piece, slot_rows(tile, wg)])
-                        if "no-piece-wait" not in trial:
-                            plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
-                        plgpu.semaphore_signal(done, 1, memory_scope="gpu")
+                        for half in range(2):
+                            plgpu.copy_smem_to_gmem(ep_smem.at[f % 2, half], slot_ref.at[piece, slot_rows(tile, half)])
+                        plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
+                        plgpu.barrier_arrive(ep_free.at[f % 2])
+                        for half in range(2):
+                            plgpu.semaphore_signal(pieces_done.at[offsets[j] + tile, half], 1, memory_scope="gpu")
 
                     @pl.when(piece == 0)
                     @jax.named_scope(f"{ph.name}_owner")
                     def _owner():  # the other pieces, gathered by the producer (in a fixed order: deterministic)
-                        def add(i, acc):
-                            plgpu.barrier_wait(g_bar.at[i - 1])
-                            return acc + plgpu.layout_cast(pc_smem.at[i - 1, wg][...], plgpu.Layout.WGMMA)
+                        own = tuple(plgpu.layout_cast(ep_smem.at[f % 2, half][...], plgpu.Layout.WGMMA)
+                                    for half in range(2))
+                        plgpu.barrier_arrive(ep_free.at[f % 2])
 
-                        total = lax.fori_loop(1, last - owner + 1, add, sums)
+                        def add(i, totals):
+                            plgpu.barrier_wait(g_bar.at[i - 1])
+                            return tuple(total + plgpu.layout_cast(pc_smem.at[i - 1, half][...], plgpu.Layout.WGMMA)
+                                         for half, total in enumerate(totals))
+
+                        totals = lax.fori_loop(1, last - owner + 1, add, own)
 
                         @pl.when(last > owner)
                         def _():
                             plgpu.barrier_arrive(g_free)
+
                         if "no-epilogue" not in trial:
-                            finish(j, ph, tile, total)
-
-            def fetch(j, ph, tile):  # the owner's per-channel scales, and for wo and down the gain and residual
-                cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
-                if ph.name == "gate_up":
-                    scales = gu_s.at[wg, pl.ds(tile * ROWS, ROWS)]
-                else:
-                    scales = {"wo": wo_s, "down": dn_s, "qkv": q_s}[ph.name].at[cols]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(scales, sc_smem.at[wg], sc_bar.at[wg])
-                if ph.name in ("wo", "down"):
-                    gain, res = (gm_ref, h0_ref) if ph.name == "wo" else (ga_ref, h1_ref)
-                    plgpu.copy_gmem_to_smem(gain.at[cols], g_smem.at[wg], gr_bar.at[wg])
-                    plgpu.copy_gmem_to_smem(res.at[:, cols], res_smem.at[wg], gr_bar.at[wg])
-
-            def scaled(total):
-                plgpu.barrier_wait(sc_bar.at[wg])
-                return total * _row_vector(sc_smem.at[wg], shape) * (1 / X_SHIFT)
-
-            def finish(j, ph, tile, total):
-                if ph.name in ("gate_up", "qkv"):
-                    r = plgpu.layout_cast(r_smem[...], plgpu.Layout.WGMMA)
-                if ph.name == "wo":
-                    finish_residual(tile, scaled(total), h1_ref, ss_ref.at[0])
-                elif ph.name == "gate_up":
-                    chans = pl.ds(tile * ROWS, ROWS)
-                    v = scaled(total) * r
-
-                    @pl.when(wg == 1)
-                    def _():
-                        hand_over(v)
-
-                    @pl.when(wg == 0)
-                    def _():
-                        up = take_over()
-                        store_out(v / (1.0 + jnp.exp(-v)) * up * X_SHIFT, of_smem.at[0], act_ref.at[:, chans])
-                elif ph.name == "down":
-                    finish_residual(tile, scaled(total), h2_ref, ss_ref.at[1])
-                else:
-                    cols = pl.ds(tile * BLOCK_N + wg * ROWS, ROWS)
-                    store_out(scaled(total) * r, oq_smem.at[wg], qkv_ref.at[:, cols])
+                            finish(ph, tile, totals)
 
             first = lax.div(begin, ph.steps)
             for f in range(ph.fragments):
@@ -381,7 +381,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             if j < len(phases) - 1:
                 plgpu.semaphore_signal(arrived.at[j], 1, memory_scope="gpu")
 
-        _depart(2 * p + wg, 2 * programs, [(arrived.at[i], 2 * programs) for i in range(len(phases) - 1)])
+        _depart(p, programs, [(arrived.at[i], programs) for i in range(len(phases) - 1)])
 
 
 def _depart(index, count: int, semaphores) -> None:
@@ -403,7 +403,7 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
     """See reference.decode_layer: a [m, d] (the attention output, bfloat16 or float16) and the residual h0 [m, d],
     m <= 8, -> (h2 [m, d], qkv [m, nq]). `programs`: one an SM, all resident (default NUM_SMS); `stages`: the copy
     ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-barrier", "no-epilogue",
-    "no-piece-wait", comma-joined: benchmarks/layer_gpu.py); `compiler_params`: e.g. a Mosaic GPU profile_dir."""
+    comma-joined: benchmarks/layer_gpu.py); `compiler_params`: e.g. a Mosaic GPU profile_dir."""
     if jax.default_backend() != "gpu":
         raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
     device = jax.devices()[0]
@@ -464,8 +464,7 @@ def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES
         scratch_types=(
             plgpu.SMEM((stages, mp, BLOCK_K), jnp.float16, transforms=mma_transforms(jnp.float16)),
             plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
-            plgpu.SMEM((2, ROWS, mp), jnp.float32),  # a piece's sums
-            plgpu.SMEM((ROWS, mp), jnp.float32),  # warpgroup 1 -> 0
+            plgpu.SMEM((2, 2, ROWS, mp), jnp.float32),  # a fragment's sums, compute -> epilogue, two deep
             plgpu.SMEM((ROWS, mp), jnp.float32),  # sums of squares on their way out
             plgpu.SMEM((ROWS, mp), jnp.float32),  # 1/rms
             plgpu.SMEM((2, mp, ROWS), h0.dtype),
@@ -479,15 +478,15 @@ def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES
             plgpu.Barrier(num_arrivals=3, num_barriers=stages),  # a step's two weight halves and activations
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=1),  # 1/rms
-            plgpu.Barrier(num_arrivals=1),  # hand-off full
-            plgpu.Barrier(num_arrivals=1),  # hand-off empty
+            plgpu.Barrier(num_arrivals=2, num_barriers=2),  # a fragment's sums handed over (both halves)
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),  # ... and taken: the buffer is free
             plgpu.Barrier(num_arrivals=2, num_barriers=max(slots - 1, 1)),  # a piece gathered (both halves)
-            plgpu.Barrier(num_arrivals=2),  # both compute warpgroups done with the gathered pieces
+            plgpu.Barrier(num_arrivals=1),  # the epilogue done with the gathered pieces
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # scales
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # gain and residual
             plgpu.Barrier(num_arrivals=1),  # sums of squares
         ),
-        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg", compiler_params=compiler_params,
+        grid=(programs,), grid_names=("p",), num_threads=4, thread_name="wg", compiler_params=compiler_params,
     )
     outs = kernel(a16, h0p, w.wo, w.wo_scales, w.mlp_norm, w.gate_up.reshape(f, 2 * d), w.gate_up_scales, w.down,
                   w.down_scales, w.attn_norm, w.qkv, w.qkv_scales)
