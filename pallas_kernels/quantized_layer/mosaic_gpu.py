@@ -9,34 +9,36 @@ layer's bytes do. This kernel runs the four products from one layer's attention 
 Phases wo, gate_up, down, qkv run in turn on NUM_SMS programs, one an SM, all resident. In each phase program p
 streams an equal run of the phase's units (an output tile of 128 rows of the weight, one step of 256 inputs) in
 tile-major order (stream-K, as quantized_matmul's stream-K kernel) through one copy ring that runs on across phases.
-A run crosses tiles, so a tile is cut into pieces held by consecutive programs: the piece at the end of the lowest
-program's run (its owner, done last) waits on a grid-shared semaphore for the others, which sit at the start of
-their programs' runs and are long done; they leave their float32 sums in a slot of `slots`. The owner adds them in
-a fixed order (the sum is deterministic) and finishes the tile:
+Four warpgroups a program: the producer copies (the weight tile as two halves of 64 rows, and the activations); two
+compute warpgroups multiply (64 rows each) and hand each fragment's float32 sums (a fragment: the run's units of
+one tile) to the epilogue warpgroup through shared memory, two deep, and go on; the epilogue warpgroup does
+everything else, so the products never wait on a store. A run crosses tiles, so a tile is cut into pieces held by
+consecutive programs: the piece at the end of the lowest program's run (its owner, done last) is finished once the
+producer has gathered the others (they sit at the start of their programs' runs, are long done, and wait in slots
+of global memory, signalled on a grid-shared semaphore); they are added in a fixed order (deterministic). Finishing
+a tile:
 
 - wo: h1 = h0 + sums (rounded to h0's dtype, as the model rounds its residual), written out; x = h1 · g_mlp in
   float16 (times X_SHIFT, the quantized products' float16 activations) for gate_up; each 64 channels' sum of h1²
   into `ss`.
-- gate_up: a tile is 64 gate rows (warpgroup 0) and the same channels' 64 up rows (warpgroup 1), copied as two
-  halves of the weight tile from values [f, 2 d]; warpgroup 1 hands its sums to warpgroup 0, which writes
-  silu(gate) · up (float16, times X_SHIFT) for down. The norm's 1/rms multiplies the sums (a number per row).
+- gate_up: a tile is 64 gate rows (the first half) and the same channels' 64 up rows, copied from values [f, 2 d];
+  silu(gate) · up is written (float16, times X_SHIFT) for down. The norm's 1/rms multiplies the sums (a number per
+  row), computed by the producer from `ss` when the phase starts.
 - down: h2 = h1 + sums, written out; x = h2 · g_attn for qkv; sums of h2² into `ss`.
 - qkv: the sums times the norm's 1/rms, written out.
 
-A grid barrier (a global semaphore every warpgroup signals) ends each phase but the last: the next phase's
-activations, and the sums of squares its 1/rms needs, are complete only then. The producer warpgroup waits on it
-before copying the next phase's activations; the weight copies of a phase do not depend on it.
+A grid barrier (a global semaphore every epilogue warpgroup signals) ends each phase but the last: the next
+phase's activations, and the sums of squares its 1/rms needs, are complete only then. The producer copies the
+next phase's first weight tiles before it waits on the barrier, its activations after.
 
 Only on a GPU: grid-shared semaphores have no interpreter (tests lower it for CUDA on the CPU and run it on the GPU).
 
 Status (H100, JAX 0.11.2, benchmarks/layer_gpu.py, 4 layers of 8B shapes at batch 1, device time): correct (within
-7e-3 of the model's path after 4 layers; its GPU tests pass) but slower than the model's path for the same math:
-118.6 against 99.8 us a layer. So the model does not call it. Trials (wrong outputs, bounds): without the grid
-barriers 97.3 us, and without barriers, epilogues and the pieces' waits 92.9 us: the phase boundaries cost ~20 us
-a layer, and even unsynchronised the phases stream at 0.80 of a device copy where the separate gate_up kernel reaches
-0.95. A profile (benchmarks/int8_gpu_notes.md, session 23) puts the loss on the compute warpgroups: each run's first
-piece (its store and signal) and each owned tile's epilogue stop them for microseconds while the copy ring is full,
-and phase ends wait on the slowest owner.
+7e-3 of the model's path after 4 layers; its GPU tests pass) but still slower than the model's path for the same
+math: 110.4 against 99.5 us a layer, so the model does not call it. Without the grid barriers (a trial: wrong
+outputs) it takes 92.9 us, faster than the model's path: the phase ends (the slowest owner's epilogue, the barrier,
+the next activations' first copies) cost ~17 us a layer, and they are what to work on next
+(benchmarks/int8_gpu_notes.md, session 23).
 """
 
 from __future__ import annotations
