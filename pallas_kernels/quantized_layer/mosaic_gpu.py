@@ -65,6 +65,7 @@ from pallas_kernels.quantized_matmul.mosaic_gpu import (
     store_transposed,
     stream_k_plan,
 )
+from pallas_kernels.quantized_mlp.mosaic_gpu import depart
 
 NUM_SMS = backend_lib.NUM_SMS
 BLOCK_N = 2 * ROWS  # weight rows a tile: 64 a compute warpgroup
@@ -141,6 +142,17 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
     def slot_rows(tile, half):
         return pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
+
+    def each_fragment(body, after_phase=lambda j: None):  # body(j, phase, tile, f) for each fragment of each phase's
+        # run (f: its place in the run), in order; after_phase(j) once the phase's are done
+        for j, ph in enumerate(phases):
+            begin, end = runs[j]
+            last_tile = lax.div(end - 1, ph.steps)
+            first = lax.div(begin, ph.steps)
+            for f in range(ph.fragments):
+                tile = first + f
+                pl.when((tile <= last_tile) & (begin < end))(functools.partial(body, j, ph, tile, f))
+            after_phase(j)
 
     runs, bases = [], []
     base = jnp.int32(0)
@@ -243,26 +255,20 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
     def _compute():  # products only: each fragment's sums go to the epilogue warpgroup through shared memory
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         rows = pl.ds(pl.multiple_of(wg * ROWS, ROWS), ROWS)
-        for j, ph in enumerate(phases):
+
+        def fragment(j, ph, tile, f):
             begin, end = runs[j]
-            last_tile = lax.div(end - 1, ph.steps)
+            start = jnp.maximum(begin, tile * ph.steps)
+            stop = jnp.minimum(end, (tile + 1) * ph.steps)
+            with jax.named_scope(f"{ph.name}_product"):
+                sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
+                                    lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
+            plgpu.barrier_wait(ep_free.at[f % 2])
+            ep_smem.at[f % 2, wg][...] = sums
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ep_ready.at[f % 2])
 
-            def fragment(tile, f, j=j, ph=ph, begin=begin, end=end, last_tile=last_tile):
-                @pl.when((tile <= last_tile) & (begin < end))
-                def _():
-                    start = jnp.maximum(begin, tile * ph.steps)
-                    stop = jnp.minimum(end, (tile + 1) * ph.steps)
-                    with jax.named_scope(f"{ph.name}_product"):
-                        sums = ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
-                                            lambda u: lax.rem(bases[j] + u - begin, stages), interpreted=False)
-                    plgpu.barrier_wait(ep_free.at[f % 2])
-                    ep_smem.at[f % 2, wg][...] = sums
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(ep_ready.at[f % 2])
-
-            first = lax.div(begin, ph.steps)
-            for f in range(ph.fragments):
-                fragment(first + f, f)
+        each_fragment(fragment)
 
     @pl.when(wg == 3)
     def _epilogue():  # the pieces' stores and signals, the owners' epilogues, the barriers' signals
@@ -327,76 +333,56 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
                     store_out(scaled(totals[half], half) * r, oq_smem.at[half], qkv_ref.at[:, cols])
 
-        for j, ph in enumerate(phases):
-            begin, end = runs[j]
-            last_tile = lax.div(end - 1, ph.steps)
+        def fragment(j, ph, tile, f):
+            owner, last = holders(ph, tile)
+            piece = p - owner
 
-            def fragment(tile, f, j=j, ph=ph, begin=begin, end=end, last_tile=last_tile):
-                @pl.when((tile <= last_tile) & (begin < end))
+            @pl.when(piece == 0)
+            def _():  # the epilogue's inputs, copied while the product runs
+                fetch(ph, tile)
+
+            if f == 0 and ph.name in ("gate_up", "qkv"):  # the producer's 1/rms (phase_rms)
+                plgpu.barrier_wait(r_bar)
+            plgpu.barrier_wait(ep_ready.at[f % 2])
+
+            @pl.when(piece > 0)
+            @jax.named_scope(f"{ph.name}_piece")
+            def _piece():
+                for half in range(2):
+                    plgpu.copy_smem_to_gmem(ep_smem.at[f % 2, half], slot_ref.at[piece, slot_rows(tile, half)])
+                plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
+                plgpu.barrier_arrive(ep_free.at[f % 2])
+                for half in range(2):
+                    plgpu.semaphore_signal(pieces_done.at[offsets[j] + tile, half], 1, memory_scope="gpu")
+
+            @pl.when(piece == 0)
+            @jax.named_scope(f"{ph.name}_owner")
+            def _owner():  # the other pieces, gathered by the producer (in a fixed order: deterministic)
+                own = tuple(plgpu.layout_cast(ep_smem.at[f % 2, half][...], plgpu.Layout.WGMMA)
+                            for half in range(2))
+                plgpu.barrier_arrive(ep_free.at[f % 2])
+
+                def add(i, totals):
+                    plgpu.barrier_wait(g_bar.at[i - 1])
+                    return tuple(total + plgpu.layout_cast(pc_smem.at[i - 1, half][...], plgpu.Layout.WGMMA)
+                                 for half, total in enumerate(totals))
+
+                totals = lax.fori_loop(1, last - owner + 1, add, own)
+
+                @pl.when(last > owner)
                 def _():
-                    owner, last = holders(ph, tile)
-                    piece = p - owner
+                    plgpu.barrier_arrive(g_free)
 
-                    @pl.when(piece == 0)
-                    def _():  # the epilogue's inputs, copied while the product runs
-                        fetch(ph, tile)
+                if "no-epilogue" not in trial:
+                    finish(ph, tile, totals)
 
-                    if f == 0 and ph.name in ("gate_up", "qkv"):  # the producer's 1/rms (phase_rms)
-                        plgpu.barrier_wait(r_bar)
-                    plgpu.barrier_wait(ep_ready.at[f % 2])
-
-                    @pl.when(piece > 0)
-                    @jax.named_scope(f"{ph.name}_piece")
-                    def _piece():
-                        for half in range(2):
-                            plgpu.copy_smem_to_gmem(ep_smem.at[f % 2, half], slot_ref.at[piece, slot_rows(tile, half)])
-                        plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
-                        plgpu.barrier_arrive(ep_free.at[f % 2])
-                        for half in range(2):
-                            plgpu.semaphore_signal(pieces_done.at[offsets[j] + tile, half], 1, memory_scope="gpu")
-
-                    @pl.when(piece == 0)
-                    @jax.named_scope(f"{ph.name}_owner")
-                    def _owner():  # the other pieces, gathered by the producer (in a fixed order: deterministic)
-                        own = tuple(plgpu.layout_cast(ep_smem.at[f % 2, half][...], plgpu.Layout.WGMMA)
-                                    for half in range(2))
-                        plgpu.barrier_arrive(ep_free.at[f % 2])
-
-                        def add(i, totals):
-                            plgpu.barrier_wait(g_bar.at[i - 1])
-                            return tuple(total + plgpu.layout_cast(pc_smem.at[i - 1, half][...], plgpu.Layout.WGMMA)
-                                         for half, total in enumerate(totals))
-
-                        totals = lax.fori_loop(1, last - owner + 1, add, own)
-
-                        @pl.when(last > owner)
-                        def _():
-                            plgpu.barrier_arrive(g_free)
-
-                        if "no-epilogue" not in trial:
-                            finish(ph, tile, totals)
-
-            first = lax.div(begin, ph.steps)
-            for f in range(ph.fragments):
-                fragment(first + f, f)
+        def phase_end(j):
             plgpu.wait_smem_to_gmem(0)  # this phase's outputs are in global memory before the barrier
             if j < len(phases) - 1:
                 plgpu.semaphore_signal(arrived.at[j], 1, memory_scope="gpu")
 
-        _depart(p, programs, [(arrived.at[i], programs) for i in range(len(phases) - 1)])
-
-
-def _depart(index, count: int, semaphores) -> None:
-    """Every compute warpgroup of the grid signals its departure once past its last wait; the first takes each
-    (semaphore, value) back by value once all have (the semaphores outlive the call), and the departures to zero."""
-    departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
-    plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
-
-    @pl.when(index == 0)
-    def _():
-        plgpu.semaphore_wait(departed, count, memory_scope="gpu")
-        for semaphore, value in semaphores:
-            plgpu.semaphore_signal(semaphore, -value, memory_scope="gpu")
+        each_fragment(fragment, phase_end)
+        depart(p, programs, [(arrived.at[i], programs) for i in range(len(phases) - 1)])
 
 
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
