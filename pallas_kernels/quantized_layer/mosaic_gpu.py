@@ -375,6 +375,11 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
                 if "no-epilogue" not in trial:
                     finish(ph, tile, totals)
+                else:  # the fetches' barriers are still waited for: each completion is awaited once
+                    for half in range(2):
+                        plgpu.barrier_wait(sc_bar.at[half])
+                        if ph.name in ("wo", "down"):
+                            plgpu.barrier_wait(gr_bar.at[half])
 
         def phase_end(j):
             plgpu.wait_smem_to_gmem(0)  # this phase's outputs are in global memory before the barrier
