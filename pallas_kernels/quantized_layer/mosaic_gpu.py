@@ -6,17 +6,18 @@ XLA kernels between products (residual adds, norms, SiLU·up, conversions: ~10 u
 layer's bytes do. This kernel runs the four products from one layer's attention output to the next layer's qkv
 (reference.py says what it computes) with no kernel boundary and no XLA kernel between them.
 
-Phases wo, gate_up, down, qkv run in turn on NUM_SMS programs, one an SM, all resident. In each phase program p
-streams an equal run of the phase's units (an output tile of 128 rows of the weight, one step of 256 inputs) in
-tile-major order (stream-K, as quantized_matmul's stream-K kernel) through one copy ring that runs on across phases.
+Phases wo, gate_up, down, qkv run in turn on NUM_SMS programs (fewer for small layers: default_programs), one an
+SM, all resident. In each phase program p streams a run of the phase's units (an output tile of 128 rows of the
+weight, one step of 256 inputs; runs differ by at most one unit and none is empty) in tile-major order (stream-K,
+as quantized_matmul's stream-K kernel) through one copy ring that runs on across phases.
 Four warpgroups a program: the producer copies (the weight tile as two halves of 64 rows, and the activations); two
 compute warpgroups multiply (64 rows each) and hand each fragment's float32 sums (a fragment: the run's units of
 one tile) to the epilogue warpgroup through shared memory, two deep, and go on; the epilogue warpgroup does
 everything else, so the products never wait on a store. A run crosses tiles, so a tile is cut into pieces held by
 consecutive programs: the piece at the end of the lowest program's run (its owner, done last) is finished once the
 producer has gathered the others (they sit at the start of their programs' runs, are long done, and wait in slots
-of global memory, signalled on a grid-shared semaphore); they are added in a fixed order (deterministic). Finishing
-a tile:
+of global memory, each signalled on a grid-shared semaphore of its (tile, half)); they are added in a fixed order
+(deterministic). Finishing a tile:
 
 - wo: h1 = h0 + sums (rounded to h0's dtype, as the model rounds its residual), written out; x = h1 · g_mlp in
   float16 (times X_SHIFT, the quantized products' float16 activations) for gate_up; each 64 channels' sum of h1²
@@ -80,7 +81,6 @@ COMPUTE_REGISTERS, PRODUCER_REGISTERS, EPILOGUE_REGISTERS = 200, 40, 72
 class Phase:
     name: str
     n: int  # weight rows
-    k: int  # inputs
     tiles: int
     steps: int  # units a tile
     units: int
@@ -93,12 +93,12 @@ def plan(d: int, f: int, nq: int, programs: int) -> tuple[Phase, ...]:
     for name, n, k in (("wo", d, d), ("gate_up", 2 * f, d), ("down", d, f), ("qkv", nq, d)):
         tiles, steps = n // BLOCK_N, k // BLOCK_K
         slots, fragments = stream_k_plan(steps, tiles, programs)
-        phases.append(Phase(name, n, k, tiles, steps, tiles * steps, slots, fragments))
+        phases.append(Phase(name, n, tiles, steps, tiles * steps, slots, fragments))
     return tuple(phases)
 
 
 def supports(m: int, d: int, f: int, nq: int) -> bool:
-    return (m <= ROW_MULTIPLE and d % (SS_ROWS * ROWS) == 0 and f % BLOCK_N == 0 and f % BLOCK_K == 0
+    return (m <= ROW_MULTIPLE and d % (SS_ROWS * ROWS) == 0 and f % BLOCK_K == 0
             and nq % BLOCK_N == 0)
 
 
@@ -186,7 +186,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             plgpu.copy_gmem_to_smem(x_srcs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
 
         def gather(j):  # the other pieces of the run's last tile, if this program owns it: copied in for the
-            # compute warpgroups' epilogue while they finish their last steps
+            # epilogue warpgroup while the compute warpgroups finish their last steps
             begin, end = runs[j]
             tile = lax.div(end - 1, phases[j].steps)
             owner, last = holders(phases[j], tile)
@@ -206,8 +206,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 lax.fori_loop(1, last - owner + 1, copy, None)
 
         def phase_rms(i):  # the norm's 1/rms of each row, from the sums of squares in ss_ref[i], into r_smem
-            # [64, m] for the compute warpgroups' epilogues (this warpgroup has the time: the compute warpgroups
-            # start on the units whose tiles are already on their way)
+            # [64, m] for the epilogue warpgroup (this warpgroup has the time: the compute warpgroups start on the
+            # units whose tiles are already on their way)
             plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem, ss_bar)
             plgpu.barrier_wait(ss_bar)
             total = sum(jnp.sum(plgpu.layout_cast(ss_smem[pl.ds(c, SS_ROWS)], plgpu.Layout.WGMMA), axis=0)
@@ -394,9 +394,11 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
                  programs: int | None = None, stages: int = STAGES, trial: str = "",
                  compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
     """See reference.decode_layer: a [m, d] (the attention output, bfloat16 or float16) and the residual h0 [m, d],
-    m <= 8, -> (h2 [m, d], qkv [m, nq]). `programs`: one an SM, all resident (default NUM_SMS); `stages`: the copy
-    ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-barrier", "no-epilogue",
-    comma-joined: benchmarks/layer_gpu.py); `compiler_params`: e.g. a Mosaic GPU profile_dir."""
+    m <= 8, -> (h2 [m, d], qkv [m, nq]). `programs`: one an SM, all resident (default_programs); `stages`: the
+    copy ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-barrier", "no-epilogue",
+    comma-joined: benchmarks/layer_gpu.py; without barriers a producer could in principle complete the 1/rms
+    barrier for qkv before its epilogue warpgroup has waited for gate_up's, and hang: no run did);
+    `compiler_params`: e.g. a Mosaic GPU profile_dir."""
     if jax.default_backend() != "gpu":
         raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
     device = jax.devices()[0]
@@ -407,7 +409,20 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
                          compiler_params=compiler_params)
 
 
-def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, programs: int, stages: int) -> None:
+def default_programs(d: int, f: int, nq: int, programs: int | None = None) -> int:
+    """`programs`, or NUM_SMS; at most the units of the layer's smallest phase, so that every program has a unit in
+    every phase (a program with none would hold no piece of a tile its neighbours share, and they would wait for
+    its signal)."""
+    fewest = min(ph.units for ph in plan(d, f, nq, NUM_SMS))
+    if programs is None:
+        return min(NUM_SMS, fewest)
+    if not 1 <= programs <= min(NUM_SMS, fewest):
+        raise ValueError(f"programs={programs} must be 1-{min(NUM_SMS, fewest)}: one an SM (NUM_SMS={NUM_SMS}), "
+                         f"and at most the {fewest} units (tiles times steps) of this layer's smallest phase")
+    return programs
+
+
+def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, stages: int) -> None:
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
     if not supports(m, d, f, nq):
@@ -424,14 +439,20 @@ def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, programs: int, stages: 
     for name in ("wo", "gate_up", "down", "qkv"):
         if getattr(w, name).dtype != jnp.int8:
             raise ValueError(f"{name} must be int8 values, got {getattr(w, name).dtype}")
-    if not 1 <= programs <= NUM_SMS or not 2 <= stages <= 5:
-        raise ValueError(f"programs={programs} must be 1-{NUM_SMS} and stages={stages} 2-5 (shared memory)")
+    for name in ("wo_scales", "gate_up_scales", "down_scales", "qkv_scales"):
+        if getattr(w, name).dtype != jnp.float32:
+            raise ValueError(f"{name} must be float32, got {getattr(w, name).dtype}")
+    if w.attn_norm.dtype != w.mlp_norm.dtype:
+        raise ValueError(f"the norms' gains must share a dtype: mlp_norm {w.mlp_norm.dtype}, attn_norm "
+                         f"{w.attn_norm.dtype}")
+    if not 2 <= stages <= 5:
+        raise ValueError(f"stages={stages} must be 2-5 (the ring in shared memory)")
 
 
 def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES, trial="", compiler_params=None):
     """decode_layer without the device checks (tests lower it for CUDA on the CPU)."""
-    programs = programs or NUM_SMS
-    _check(a, h0, w, programs, stages)
+    _check(a, h0, w, stages)
+    programs = default_programs(a.shape[1], w.gate_up.shape[0], w.qkv.shape[0], programs)
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
     phases = plan(d, f, nq, programs)
@@ -452,7 +473,8 @@ def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES
             jax.ShapeDtypeStruct((mp, d), jnp.float16),  # gate_up's, then qkv's activations (scratch)
             jax.ShapeDtypeStruct((mp, f), jnp.float16),  # down's activations (scratch)
             jax.ShapeDtypeStruct((2, d // ROWS, mp), jnp.float32),  # sums of squares of h1, h2 (scratch)
-            jax.ShapeDtypeStruct((max(slots, 2), n_max, mp), jnp.float32),  # pieces' sums (scratch)
+            jax.ShapeDtypeStruct((max(slots, 2), n_max, mp), jnp.float32),  # pieces' sums by place (0, the owner's,
+            # unused) (scratch)
         ),
         scratch_types=(
             plgpu.SMEM((stages, mp, BLOCK_K), jnp.float16, transforms=mma_transforms(jnp.float16)),

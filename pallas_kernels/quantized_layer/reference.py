@@ -43,8 +43,6 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float,
                  out_dtype: Any = None) -> tuple[jax.Array, jax.Array]:
     """(h2 [m, d] in h0's dtype, qkv [m, nq] in out_dtype, default h0's) for the attention output a [m, d] and the
     residual h0 [m, d]."""
-    f, _, d = w.gate_up.shape
-
     def rms_inverse(h):
         h32 = h.astype(jnp.float32)
         return jax.lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)
@@ -56,5 +54,4 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float,
     h2 = (h1.astype(jnp.float32) + _product(jax.nn.silu(gate) * up, w.down, w.down_scales)).astype(h0.dtype)
     x = h2.astype(jnp.float32) * w.attn_norm.astype(jnp.float32)
     qkv = _product(x, w.qkv, w.qkv_scales) * rms_inverse(h2)
-    del f, d
     return h2, qkv.astype(out_dtype or h0.dtype)

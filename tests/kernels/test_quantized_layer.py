@@ -95,8 +95,28 @@ def test_layer_kernel_names_what_it_cannot_take():
         mosaic_gpu._decode_layer(a, h0, w._replace(down=w.down.astype(jnp.int16)), eps=1e-5)
     with pytest.raises(ValueError, match="m <= 8 rows, d a multiple of 4096"):
         mosaic_gpu._decode_layer(jnp.zeros((9, 4096), jnp.bfloat16), jnp.zeros((9, 4096), jnp.bfloat16), w, eps=1e-5)
-    with pytest.raises(ValueError, match="programs=200 must be 1-132"):
-        mosaic_gpu._decode_layer(a, h0, w, eps=1e-5, programs=200)
+    with pytest.raises(ValueError, match="programs=17 must be 1-16: one an SM .* at most the 16 units"):
+        mosaic_gpu._decode_layer(a, h0, w, eps=1e-5, programs=17)  # qkv: one tile of 16 steps
     if jax.default_backend() != "gpu":
         with pytest.raises(NotImplementedError, match="no interpreted form"):
             mosaic_gpu.decode_layer(a, h0, w, eps=1e-5)
+
+
+@pytest.mark.parametrize("d,f,nq", [(4096, 512, 1536), (4096, 1024, 1536), (4096, 256, 128), (4096, 14336, 6144)])
+def test_every_program_holds_a_unit_of_every_phase(d, f, nq):
+    """With the default programs every run is non-empty, so every program between a tile's owner and its last
+    holder holds a piece and signals it (the owner waits for last - owner signals): small layers take fewer
+    programs than SMs (at f=512 the down phase has 64 units), the 8B layer all 132."""
+    from pallas_kernels.quantized_layer import mosaic_gpu
+
+    programs = mosaic_gpu.default_programs(d, f, nq)
+    assert programs == min(mosaic_gpu.NUM_SMS, min(ph.units for ph in mosaic_gpu.plan(d, f, nq, mosaic_gpu.NUM_SMS)))
+    for ph in mosaic_gpu.plan(d, f, nq, programs):
+        runs = [(p * ph.units // programs, (p + 1) * ph.units // programs) for p in range(programs)]
+        assert all(begin < end for begin, end in runs), ph.name
+        for tile in range(ph.tiles):  # holders(): the programs holding the tile's first and last units
+            first_unit, last_unit = tile * ph.steps, (tile + 1) * ph.steps - 1
+            owner = next(p for p, (b, e) in enumerate(runs) if b <= first_unit < e)
+            last = next(p for p, (b, e) in enumerate(runs) if b <= last_unit < e)
+            assert owner == -(-(first_unit + 1) * programs // ph.units) - 1
+            assert last == -(-(last_unit + 1) * programs // ph.units) - 1
