@@ -61,9 +61,11 @@ from pallas_kernels.quantized_matmul.mosaic_gpu import (
     ROW_MULTIPLE,
     ROWS,
     X_SHIFT,
+    activation_rows,
     drain,
     ring_product,
     store_transposed,
+    stream_k_holder,
     stream_k_plan,
 )
 from pallas_kernels.quantized_mlp.mosaic_gpu import depart
@@ -136,9 +138,9 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         ref = (wo_ref, None, dn_ref, q_ref)[j]
         return ref.at[pl.ds(tile * BLOCK_N + half * ROWS, ROWS), cols]
 
-    def holders(ph, tile):  # the programs holding the tile's first unit (its owner) and its last: ceil((u+1)·P/T) - 1
-        first = lax.div((tile * ph.steps + 1) * programs + ph.units - 1, ph.units) - 1
-        return first, lax.div((tile + 1) * ph.steps * programs + ph.units - 1, ph.units) - 1
+    def holders(ph, tile):  # the programs holding the tile's first unit (its owner) and its last
+        return (stream_k_holder(tile * ph.steps + 1, ph.units, programs),
+                stream_k_holder((tile + 1) * ph.steps, ph.units, programs))
 
     def slot_rows(tile, half):
         return pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
@@ -457,9 +459,8 @@ def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
     phases = plan(d, f, nq, programs)
     out_dtype = jnp.dtype(out_dtype or h0.dtype)
-    pad = ((0, ROW_MULTIPLE - m), (0, 0))
-    a16 = jnp.pad((a.astype(jnp.float32) * X_SHIFT).astype(jnp.float16), pad)
-    h0p = jnp.pad(h0, pad)
+    a16 = activation_rows(a, ROW_MULTIPLE)
+    h0p = jnp.pad(h0, ((0, ROW_MULTIPLE - m), (0, 0)))
     slots = max(ph.slots for ph in phases)
     n_max = max(ph.n for ph in phases)
     mp = ROW_MULTIPLE

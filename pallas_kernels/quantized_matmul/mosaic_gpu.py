@@ -197,6 +197,23 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
 X_SHIFT = 2.0 ** -4
 
 
+def activation_rows(x: jax.Array, rows: int, *, float16: bool = True) -> jax.Array:
+    """x [m, k] as the kernels' activation operand [rows, k]: x · X_SHIFT in float16 (BlockSizes.float16), else x
+    in its 16-bit Mosaic dtype; padded with zero rows to `rows`, a kernel of its own (a decode step pads its rows
+    once instead: ROW_MULTIPLE)."""
+    dtype = jnp.float16 if float16 else mosaic_dtype(x.dtype)
+    xp = (x.astype(jnp.float32) * (X_SHIFT if float16 else 1.0)).astype(dtype)
+    if rows > x.shape[0]:
+        xp = jnp.pad(xp, ((0, rows - x.shape[0]), (0, 0)))
+    return xp
+
+
+def stream_k_holder(count, units: int, programs: int):
+    """The program of a stream-K grid (program p streams units [p·T // P, (p+1)·T // P) of T) that holds the
+    count-th unit (1-based): ceil(count · P / T) - 1."""
+    return lax.div(count * programs + units - 1, units) - 1
+
+
 def int8_to_float16(w: jax.Array) -> jax.Array:
     """int8 [rows, cols] in the WGMMA register layout -> float16, exactly, two values a 32-bit register: the bytes
     go under a float16 exponent of 1024 (prmt), their sign bits flip (xor: 1024 + v + 128), and one float16x2
@@ -452,7 +469,7 @@ def _stream_k_kernel(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, z_smem, tile_b
                 total_tile = product(start, stop)
                 # this fragment's place among the tile's: the tile's first unit lies in program
                 # ceil((u + 1)·P / T) - 1, and every program from there to p holds a piece of it
-                owner = lax.div((tile * steps + 1) * programs + total - 1, total) - 1
+                owner = stream_k_holder(tile * steps + 1, total, programs)
                 piece = p - owner
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous fragment's tile has left o_smem
                 store_transposed(total_tile, o_smem.at[wg], interpreted=interpreted)
@@ -488,10 +505,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, out_
     splits, k_split = bs.num_splits, k // bs.num_splits
     m_pad = -(-m // bs.block_m) * bs.block_m
     shift = X_SHIFT if bs.float16 else 1.0  # x enters times this; the scales take it back
-    dtype = jnp.float16 if bs.float16 else mosaic_dtype(x.dtype)
-    xp = (x.astype(jnp.float32) * shift).astype(dtype)
-    if m_pad > m:  # [m_pad, k]: a kernel of its own (a decode step pads its rows once instead: ROW_MULTIPLE)
-        xp = jnp.pad(xp, ((0, m_pad - m), (0, 0)))
+    xp = activation_rows(x, m_pad, float16=bs.float16)
+    dtype = xp.dtype
     partial = splits > 1
     compute_wgs = bs.block_n // ROWS
     params = backend_lib.interpret_params("mosaic_gpu", interpret)
