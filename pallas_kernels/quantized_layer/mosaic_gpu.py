@@ -85,9 +85,12 @@ class Phase:
     n: int  # weight rows
     tiles: int
     steps: int  # units a tile
-    units: int
     slots: int  # the most pieces a tile has
     fragments: int  # the most tiles a program's run touches
+
+    @property
+    def units(self) -> int:
+        return self.tiles * self.steps
 
 
 def plan(d: int, f: int, nq: int, programs: int) -> tuple[Phase, ...]:
@@ -95,7 +98,7 @@ def plan(d: int, f: int, nq: int, programs: int) -> tuple[Phase, ...]:
     for name, n, k in (("wo", d, d), ("gate_up", 2 * f, d), ("down", d, f), ("qkv", nq, d)):
         tiles, steps = n // BLOCK_N, k // BLOCK_K
         slots, fragments = stream_k_plan(steps, tiles, programs)
-        phases.append(Phase(name, n, tiles, steps, tiles * steps, slots, fragments))
+        phases.append(Phase(name, n, tiles, steps, slots, fragments))
     return tuple(phases)
 
 
