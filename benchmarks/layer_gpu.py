@@ -125,7 +125,8 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trials", default="", help="semicolon-separated kernel trials also timed (wrong outputs, a "
-                    "bound): no-barrier (phases overlap), no-epilogue (owners finish no tile), comma-joined; "
+                    "bound): no-wait (no waits for the previous phase's tiles: phases overlap), no-epilogue (owners "
+                    "finish no tile), comma-joined; "
                     "stages=N (the ring's depth) times a correct variant")
     ap.add_argument("--profile-dir", default="", help="trace one layer kernel's named regions per warpgroup "
                     "(Mosaic GPU's profiler) into this directory, print where each phase's time goes, then exit")

@@ -24,22 +24,24 @@ of global memory, each signalled on a grid-shared semaphore of its (tile, half))
   into `ss`.
 - gate_up: a tile is 64 gate rows (the first half) and the same channels' 64 up rows, copied from values [f, 2 d];
   silu(gate) · up is written (float16, times X_SHIFT) for down. The norm's 1/rms multiplies the sums (a number per
-  row), computed by the producer from `ss` when the phase starts.
+  row), computed by the epilogue warpgroup from `ss` (below).
 - down: h2 = h1 + sums, written out; x = h2 · g_attn for qkv; sums of h2² into `ss`.
 - qkv: the sums times the norm's 1/rms, written out.
 
-A grid barrier (a global semaphore every epilogue warpgroup signals) ends each phase but the last: the next
-phase's activations, and the sums of squares its 1/rms needs, are complete only then. The producer copies the
-next phase's first weight tiles before it waits on the barrier, its activations after.
+No barrier ends a phase: a unit waits only for the tiles its inputs come from. An owner, once a tile's outputs are
+in global memory, signals the tile's semaphore; the producer waits for it before copying the activations of the
+first `steps` units of its run in the next phase (they read every input the run does); so a phase starts while the
+last owners of the one before finish. The norm's 1/rms needs every tile's sums of squares, but only in the owners'
+epilogues, at the end of a run: the epilogue warpgroup waits there for a count of wo's (down's) finished tiles and
+computes it. The semaphores go back to zero once every program is done (leave). Each phase writes its pieces to
+slots of its own, since the next phase's pieces may be stored while its last owners still gather.
 
 Only on a GPU: grid-shared semaphores have no interpreter (tests lower it for CUDA on the CPU and run it on the GPU).
 
 Status (H100, JAX 0.11.2, benchmarks/layer_gpu.py, 4 layers of 8B shapes at batch 1, device time): correct (within
 7e-3 of the model's path after 4 layers; its GPU tests pass) but still slower than the model's path for the same
-math: 110.4 against 99.5 us a layer, so the model does not call it. Without the grid barriers (a trial: wrong
-outputs) it takes 92.9 us, faster than the model's path: the phase ends (the slowest owner's epilogue, the barrier,
-the next activations' first copies) cost ~17 us a layer, and they are what to work on next
-(benchmarks/int8_gpu_notes.md, session 23).
+math: 106.2 against 99.8 us a layer (grid barriers between phases: 110.4 against 99.5), so the model does not call
+it (benchmarks/int8_gpu_notes.md, session 24).
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ from pallas_kernels.quantized_matmul.mosaic_gpu import (
     stream_k_holder,
     stream_k_plan,
 )
-from pallas_kernels.quantized_mlp.mosaic_gpu import depart
 
 NUM_SMS = backend_lib.NUM_SMS
 BLOCK_N = 2 * ROWS  # weight rows a tile: 64 a compute warpgroup
@@ -87,6 +88,7 @@ class Phase:
     steps: int  # units a tile
     slots: int  # the most pieces a tile has
     fragments: int  # the most tiles a program's run touches
+    out_cols: int  # the columns of its output a tile finishes (the next phase's inputs)
 
     @property
     def units(self) -> int:
@@ -98,7 +100,7 @@ def plan(d: int, f: int, nq: int, programs: int) -> tuple[Phase, ...]:
     for name, n, k in (("wo", d, d), ("gate_up", 2 * f, d), ("down", d, f), ("qkv", nq, d)):
         tiles, steps = n // BLOCK_N, k // BLOCK_K
         slots, fragments = stream_k_plan(steps, tiles, programs)
-        phases.append(Phase(name, n, tiles, steps, slots, fragments))
+        phases.append(Phase(name, n, tiles, steps, slots, fragments, ROWS if name == "gate_up" else BLOCK_N))
     return tuple(phases)
 
 
@@ -121,18 +123,24 @@ def _row_vector(ref, shape) -> jax.Array:
 
 def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_ref, q_ref, q_s,
             h2_ref, qkv_ref, h1_ref, xb_ref, act_ref, ss_ref, slot_ref,
-            x_smem, w_smem, ep_smem, sq_smem, r_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
-            ss_smem, pc_smem, tile_bar, free_bar, r_bar, ep_ready, ep_free, g_bar, g_free, sc_bar, gr_bar, ss_bar,
-            *, phases: tuple[Phase, ...], programs: int,
-            eps: float, trial: str):
+            x_smem, w_smem, ep_smem, sq_smem, ob_smem, of_smem, oq_smem, sc_smem, g_smem, res_smem,
+            ss_smem, pc_smem, tile_bar, free_bar, ep_ready, ep_free, g_bar, g_free, sc_bar, gr_bar, ss_bar,
+            *, phases: tuple[Phase, ...], programs: int, eps: float, trial: str):
     p, wg = lax.axis_index("p"), lax.axis_index("wg")
     stages = x_smem.shape[0]
     d = a_ref.shape[1]
     m = x_smem.shape[1]
-    arrived = pl.get_global(plgpu.SemaphoreType.REGULAR((len(phases) - 1,)))
     offsets = [sum(ph.tiles for ph in phases[:j]) for j in range(len(phases))]
-    pieces_done = pl.get_global(plgpu.SemaphoreType.REGULAR((sum(ph.tiles for ph in phases), 2)))
+    row_offsets = [sum(ph.n for ph in phases[:j]) for j in range(len(phases))]
+    pieces_done = pl.get_global(plgpu.SemaphoreType.REGULAR((offsets[-1] + phases[-1].tiles, 2)))
+    # a tile of every phase but the last, finished (its outputs in global memory): its owner signals 1, the programs
+    # that read its outputs wait for it without taking it back (a count taken by many is a contended compare-and-swap
+    # loop each: 168.7 against 110.4 us a layer), and the owner takes it back once every program is done (leave)
+    ready = pl.get_global(plgpu.SemaphoreType.REGULAR((offsets[-1],)))
+    # the tiles of wo, of down finished: the norm's 1/rms after them needs every tile's sums of squares
+    finished = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
     x_srcs = (a_ref, xb_ref, act_ref, xb_ref)
+    waits = "no-wait" not in trial
 
     def w_src(j, tile, k_at, half):  # half of phase j's weight tile: 64 rows by a step
         cols = pl.ds(k_at, BLOCK_K)
@@ -145,11 +153,11 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         return (stream_k_holder(tile * ph.steps + 1, ph.units, programs),
                 stream_k_holder((tile + 1) * ph.steps, ph.units, programs))
 
-    def slot_rows(tile, half):
-        return pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
+    def slot_rows(j, tile, half):  # a piece's rows in slot_ref (each phase its own: phases overlap)
+        return pl.ds(row_offsets[j] + tile * BLOCK_N + half * ROWS, ROWS)
 
-    def each_fragment(body, after_phase=lambda j: None):  # body(j, phase, tile, f) for each fragment of each phase's
-        # run (f: its place in the run), in order; after_phase(j) once the phase's are done
+    def each_fragment(body, phases=phases):  # body(j, phase, tile, f) for each fragment of each phase's run (f: its
+        # place in the run), in order
         for j, ph in enumerate(phases):
             begin, end = runs[j]
             last_tile = lax.div(end - 1, ph.steps)
@@ -157,7 +165,6 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             for f in range(ph.fragments):
                 tile = first + f
                 pl.when((tile <= last_tile) & (begin < end))(functools.partial(body, j, ph, tile, f))
-            after_phase(j)
 
     runs, bases = [], []
     base = jnp.int32(0)
@@ -186,8 +193,20 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 plgpu.copy_gmem_to_smem(w_src(j, tile, k_at, half), w_smem.at[slot, pl.ds(half * ROWS, ROWS)],
                                         tile_bar.at[slot])
 
-        def copy_x(j, u):
+        def copy_x(j, u):  # the unit's activations, once the tiles of the phase before that make them are finished
             _, slot, _, k_at = unit(j, u)
+            if j and waits:
+                per_step = BLOCK_K // phases[j - 1].out_cols
+
+                @pl.when(u - runs[j][0] < phases[j].steps)  # the run's first sight of this step: the run's first
+                # `steps` units read every input the run reads
+                @jax.named_scope(f"{phases[j].name}_wait")
+                def _():
+                    for i in range(per_step):
+                        tile = lax.div(k_at, phases[j - 1].out_cols) + i
+                        plgpu.semaphore_wait(ready.at[offsets[j - 1] + tile], 1, decrement=False,
+                                             memory_scope="gpu")
+
             plgpu.copy_gmem_to_smem(x_srcs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
 
         def gather(j):  # the other pieces of the run's last tile, if this program owns it: copied in for the
@@ -204,41 +223,19 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
                 def copy(i, carry):
                     for half in range(2):
-                        plgpu.copy_gmem_to_smem(slot_ref.at[i, slot_rows(tile, half)], pc_smem.at[i - 1, half],
+                        plgpu.copy_gmem_to_smem(slot_ref.at[i, slot_rows(j, tile, half)], pc_smem.at[i - 1, half],
                                                 g_bar.at[i - 1])
                     return carry
 
                 lax.fori_loop(1, last - owner + 1, copy, None)
 
-        def phase_rms(i):  # the norm's 1/rms of each row, from the sums of squares in ss_ref[i], into r_smem
-            # [64, m] for the epilogue warpgroup (this warpgroup has the time: the compute warpgroups start on the
-            # units whose tiles are already on their way)
-            plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem, ss_bar)
-            plgpu.barrier_wait(ss_bar)
-            total = sum(jnp.sum(plgpu.layout_cast(ss_smem[pl.ds(c, SS_ROWS)], plgpu.Layout.WGMMA), axis=0)
-                        for c in range(0, ss_smem.shape[0], SS_ROWS))
-            r_smem[...] = lax.broadcast_in_dim(lax.rsqrt(total / d + eps), (ROWS, m), [1])
-            plgpu.barrier_arrive(r_bar)
-
-        def ahead_of(j):  # phase j's units whose weights go out before the barrier that starts it
+        def ahead_of(j):  # phase j's units whose weights went out at the end of the phase before
             begin, end = runs[j]
             return jnp.minimum(begin + stages, end) if j else begin
 
         for j in range(len(phases)):
             begin, end = runs[j]
-            if j:  # its first weight tiles went out at the end of the phase before; now its activations exist
-                if "no-barrier" not in trial:  # (a program with no units here copies nothing: it need not wait, and
-                    # must not: the barrier's semaphore may be reset once every epilogue warpgroup has left)
-                    @pl.when(begin < end)
-                    @jax.named_scope(f"{phases[j].name}_barrier")
-                    def _(j=j):
-                        plgpu.semaphore_wait(arrived.at[j - 1], programs, decrement=False, memory_scope="gpu")
-                lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: copy_x(j, u), None)
-                if phases[j].name in ("gate_up", "qkv"):  # (waited for by the epilogue's first fragment, if any)
-                    @pl.when(begin < end)
-                    @jax.named_scope(f"{phases[j].name}_rms")
-                    def _(j=j):
-                        phase_rms(int(phases[j].name == "qkv"))
+            lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: copy_x(j, u), None)
 
             def step(u, carry, j=j):
                 copy_weight(j, u)
@@ -249,7 +246,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 lax.fori_loop(ahead_of(j), end, step, None)
             # first the owner's pieces (the epilogue waits on them; sent first, they arrive while the last steps are
             # computed: measured 118.0 against 122.3 us a layer the other way round), then the next phase's first
-            # weight tiles, before the barrier
+            # weight tiles
             with jax.named_scope(f"{phases[j].name}_gather"):
                 gather(j)
             if j + 1 < len(phases):
@@ -275,23 +272,40 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
         each_fragment(fragment)
 
+    def leave():  # grid-shared semaphores outlive the call: back to zero, once every program is done with them
+        gone, left = (pl.get_global(plgpu.SemaphoreType.REGULAR(())) for _ in range(2))
+        plgpu.semaphore_signal(gone, 1, memory_scope="gpu")
+        plgpu.semaphore_wait(gone, programs, decrement=False, memory_scope="gpu")
+        def take_back(j, ph, tile, f):
+            @pl.when(holders(ph, tile)[0] == p)
+            def _():
+                plgpu.semaphore_signal(ready.at[offsets[j] + tile], -1, memory_scope="gpu")
+
+        if waits:  # every wait has passed: each owner takes its tiles' signals back
+            each_fragment(take_back, phases[:-1])
+        plgpu.semaphore_signal(left, 1, memory_scope="gpu")
+
+        @pl.when(p == 0)
+        def _():
+            plgpu.semaphore_wait(left, programs, memory_scope="gpu")  # (one waiter: no contention)
+            plgpu.semaphore_signal(gone, -programs, memory_scope="gpu")
+            plgpu.semaphore_signal(finished.at[0], -phases[0].tiles, memory_scope="gpu")
+            plgpu.semaphore_signal(finished.at[1], -phases[2].tiles, memory_scope="gpu")
+
     @pl.when(wg == 3)
-    def _epilogue():  # the pieces' stores and signals, the owners' epilogues, the barriers' signals
+    def _epilogue():  # the pieces' stores and signals, the owners' epilogues and their tiles' signals
         plgpu.set_max_registers(EPILOGUE_REGISTERS, action="decrease")
         shape = (ROWS, m)
         for slot in range(2):
             plgpu.barrier_arrive(ep_free.at[slot])  # both hand-over buffers start free
         plgpu.barrier_arrive(g_free)  # so does the gathered pieces' buffer
 
-        def row_sums_out(v, ref):  # v [64, m]'s column sums into ref [1, m] in global memory
-            total = lax.broadcast_in_dim(jnp.sum(v, axis=0), shape, [1])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            sq_smem[...] = total
+        def row_sums_out(v, buf, ref):  # v [64, m]'s column sums into ref [1, m] in global memory, through buf
+            buf[...] = lax.broadcast_in_dim(jnp.sum(v, axis=0), shape, [1])
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(sq_smem.at[pl.ds(0, 1)], ref)
+            plgpu.copy_smem_to_gmem(buf.at[pl.ds(0, 1)], ref)
 
         def store_out(v, buf, ref):  # v [64, m] -> ref [m, 64] in global memory, through buf [m, 64]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             store_transposed(v, buf, interpreted=False)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf, ref)
@@ -313,6 +327,11 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             plgpu.barrier_wait(sc_bar.at[half])
             return total * _row_vector(sc_smem.at[half], shape) * (1 / X_SHIFT)
 
+        def rms(i):  # [64, m]: the norm's 1/rms of each row, from the sums of squares in ss_smem[i]
+            total = sum(jnp.sum(plgpu.layout_cast(ss_smem[i, pl.ds(c, SS_ROWS)], plgpu.Layout.WGMMA), axis=0)
+                        for c in range(0, ss_smem.shape[1], SS_ROWS))
+            return lax.broadcast_in_dim(lax.rsqrt(total / d + eps), shape, [1])
+
         def finish_residual(tile, totals, out_ref, ss):  # wo and down: h = residual + sums, x = h · gain
             for half in range(2):
                 cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
@@ -321,19 +340,21 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 h = (_load_t(res_smem.at[half]) + v).astype(out_ref.dtype).astype(jnp.float32)
                 store_out(h, ob_smem.at[half], out_ref.at[:, cols])
                 store_out(h * _row_vector(g_smem.at[half], shape) * X_SHIFT, of_smem.at[half], xb_ref.at[:, cols])
-                row_sums_out(h * h, ss.at[pl.ds(2 * tile + half, 1)])
+                row_sums_out(h * h, sq_smem.at[half], ss.at[pl.ds(2 * tile + half, 1)])
 
         def finish(ph, tile, totals):
-            if ph.name in ("gate_up", "qkv"):
-                r = plgpu.layout_cast(r_smem[...], plgpu.Layout.WGMMA)
+            # every buffer below is written once an epilogue: the stores of the one before must have read theirs
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             if ph.name == "wo":
                 finish_residual(tile, totals, h1_ref, ss_ref.at[0])
             elif ph.name == "gate_up":  # half 0 the tile's gate rows, half 1 the same channels' up rows
+                r = rms(0)
                 g, u = scaled(totals[0], 0) * r, scaled(totals[1], 1) * r
                 store_out(g / (1.0 + jnp.exp(-g)) * u * X_SHIFT, of_smem.at[0], act_ref.at[:, pl.ds(tile * ROWS, ROWS)])
             elif ph.name == "down":
                 finish_residual(tile, totals, h2_ref, ss_ref.at[1])
             else:
+                r = rms(1)
                 for half in range(2):
                     cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
                     store_out(scaled(totals[half], half) * r, oq_smem.at[half], qkv_ref.at[:, cols])
@@ -346,15 +367,24 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             def _():  # the epilogue's inputs, copied while the product runs
                 fetch(ph, tile)
 
-            if f == 0 and ph.name in ("gate_up", "qkv"):  # the producer's 1/rms (phase_rms)
-                plgpu.barrier_wait(r_bar)
+            if ph.name in ("gate_up", "qkv"):  # the norm before it needs every tile of the residual before
+                i = int(ph.name == "qkv")
+                first_owned = jnp.where(lax.rem(runs[j][0], ph.steps) == 0, 0, 1)
+
+                @pl.when((piece == 0) & (f == first_owned))
+                @jax.named_scope(f"{ph.name}_rms")
+                def _():
+                    plgpu.semaphore_wait(finished.at[i], phases[2 * i].tiles, decrement=False, memory_scope="gpu")
+                    plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem.at[i], ss_bar)
+                    plgpu.barrier_wait(ss_bar)
+
             plgpu.barrier_wait(ep_ready.at[f % 2])
 
             @pl.when(piece > 0)
             @jax.named_scope(f"{ph.name}_piece")
             def _piece():
                 for half in range(2):
-                    plgpu.copy_smem_to_gmem(ep_smem.at[f % 2, half], slot_ref.at[piece, slot_rows(tile, half)])
+                    plgpu.copy_smem_to_gmem(ep_smem.at[f % 2, half], slot_ref.at[piece, slot_rows(j, tile, half)])
                 plgpu.wait_smem_to_gmem(0)  # in global memory before the owner hears of it
                 plgpu.barrier_arrive(ep_free.at[f % 2])
                 for half in range(2):
@@ -385,24 +415,24 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                         plgpu.barrier_wait(sc_bar.at[half])
                         if ph.name in ("wo", "down"):
                             plgpu.barrier_wait(gr_bar.at[half])
+                if j + 1 < len(phases):  # the tile's outputs are in global memory: its waiters may copy them
+                    plgpu.wait_smem_to_gmem(0)
+                    if waits:
+                        plgpu.semaphore_signal(ready.at[offsets[j] + tile], 1, memory_scope="gpu")
+                    if ph.name in ("wo", "down"):
+                        plgpu.semaphore_signal(finished.at[int(ph.name == "down")], 1, memory_scope="gpu")
 
-        def phase_end(j):
-            plgpu.wait_smem_to_gmem(0)  # this phase's outputs are in global memory before the barrier
-            if j < len(phases) - 1:
-                plgpu.semaphore_signal(arrived.at[j], 1, memory_scope="gpu")
-
-        each_fragment(fragment, phase_end)
-        depart(p, programs, [(arrived.at[i], programs) for i in range(len(phases) - 1)])
-
+        each_fragment(fragment)
+        plgpu.wait_smem_to_gmem(0)
+        leave()
 
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
                  programs: int | None = None, stages: int = STAGES, trial: str = "",
                  compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
     """See reference.decode_layer: a [m, d] (the attention output, bfloat16 or float16) and the residual h0 [m, d],
     m <= 8, -> (h2 [m, d], qkv [m, nq]). `programs`: one an SM, all resident (default_programs); `stages`: the
-    copy ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-barrier", "no-epilogue",
-    comma-joined: benchmarks/layer_gpu.py; without barriers a producer could in principle complete the 1/rms
-    barrier for qkv before its epilogue warpgroup has waited for gate_up's, and hang: no run did);
+    copy ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-wait": no waits for the tiles of
+    the phase before, "no-epilogue", comma-joined: benchmarks/layer_gpu.py);
     `compiler_params`: e.g. a Mosaic GPU profile_dir."""
     if jax.default_backend() != "gpu":
         raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
@@ -465,7 +495,6 @@ def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES
     a16 = activation_rows(a, ROW_MULTIPLE)
     h0p = jnp.pad(h0, ((0, ROW_MULTIPLE - m), (0, 0)))
     slots = max(ph.slots for ph in phases)
-    n_max = max(ph.n for ph in phases)
     mp = ROW_MULTIPLE
     int8_swizzle = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
     kernel = plgpu.kernel(
@@ -477,26 +506,24 @@ def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES
             jax.ShapeDtypeStruct((mp, d), jnp.float16),  # gate_up's, then qkv's activations (scratch)
             jax.ShapeDtypeStruct((mp, f), jnp.float16),  # down's activations (scratch)
             jax.ShapeDtypeStruct((2, d // ROWS, mp), jnp.float32),  # sums of squares of h1, h2 (scratch)
-            jax.ShapeDtypeStruct((max(slots, 2), n_max, mp), jnp.float32),  # pieces' sums by place (0, the owner's,
-            # unused) (scratch)
+            jax.ShapeDtypeStruct((max(slots, 2), sum(ph.n for ph in phases), mp), jnp.float32),  # pieces' sums by
+            # place (0, the owner's, unused) and phase (scratch)
         ),
         scratch_types=(
             plgpu.SMEM((stages, mp, BLOCK_K), jnp.float16, transforms=mma_transforms(jnp.float16)),
             plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
             plgpu.SMEM((2, 2, ROWS, mp), jnp.float32),  # a fragment's sums, compute -> epilogue, two deep
-            plgpu.SMEM((ROWS, mp), jnp.float32),  # sums of squares on their way out
-            plgpu.SMEM((ROWS, mp), jnp.float32),  # 1/rms
+            plgpu.SMEM((2, ROWS, mp), jnp.float32),  # sums of squares on their way out, by half
             plgpu.SMEM((2, mp, ROWS), h0.dtype),
             plgpu.SMEM((2, mp, ROWS), jnp.float16),
             plgpu.SMEM((2, mp, ROWS), out_dtype),
             plgpu.SMEM((2, ROWS), jnp.float32),  # an owner's scales
             plgpu.SMEM((2, ROWS), w.mlp_norm.dtype),  # gain
             plgpu.SMEM((2, mp, ROWS), h0.dtype),  # residual
-            plgpu.SMEM((d // ROWS, mp), jnp.float32),  # the sums of squares of a residual, for its 1/rms
+            plgpu.SMEM((2, d // ROWS, mp), jnp.float32),  # the sums of squares of h1, h2, for their 1/rms
             plgpu.SMEM((max(slots - 1, 1), 2, ROWS, mp), jnp.float32),  # the other pieces of an owner's last tile
             plgpu.Barrier(num_arrivals=3, num_barriers=stages),  # a step's two weight halves and activations
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
-            plgpu.Barrier(num_arrivals=1),  # 1/rms
             plgpu.Barrier(num_arrivals=2, num_barriers=2),  # a fragment's sums handed over (both halves)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),  # ... and taken: the buffer is free
             plgpu.Barrier(num_arrivals=2, num_barriers=max(slots - 1, 1)),  # a piece gathered (both halves)

@@ -120,3 +120,4 @@ def test_every_program_holds_a_unit_of_every_phase(d, f, nq):
             last = next(p for p, (b, e) in enumerate(runs) if b <= last_unit < e)
             assert owner == -(-(first_unit + 1) * programs // ph.units) - 1
             assert last == -(-(last_unit + 1) * programs // ph.units) - 1
+
