@@ -140,7 +140,10 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
     # the tiles of wo, of down finished: the norm's 1/rms after them needs every tile's sums of squares
     finished = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
     x_srcs = (a_ref, xb_ref, act_ref, xb_ref)
-    waits = "no-wait" not in trial
+    trials = set(trial.split(","))
+
+    def waited(j):  # whether phase j's units wait for the tiles of the phase before (trials leave them out)
+        return 0 < j and not trials & {"no-wait", f"no-wait-{phases[j].name}"}
 
     def w_src(j, tile, k_at, half):  # half of phase j's weight tile: 64 rows by a step
         cols = pl.ds(k_at, BLOCK_K)
@@ -195,7 +198,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
         def copy_x(j, u):  # the unit's activations, once the tiles of the phase before that make them are finished
             _, slot, _, k_at = unit(j, u)
-            if j and waits:
+            if waited(j):
                 per_step = BLOCK_K // phases[j - 1].out_cols
 
                 @pl.when(u - runs[j][0] < phases[j].steps)  # the run's first sight of this step: the run's first
@@ -277,12 +280,11 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         plgpu.semaphore_signal(gone, 1, memory_scope="gpu")
         plgpu.semaphore_wait(gone, programs, decrement=False, memory_scope="gpu")
         def take_back(j, ph, tile, f):
-            @pl.when(holders(ph, tile)[0] == p)
+            @pl.when((holders(ph, tile)[0] == p) & waited(j + 1))
             def _():
                 plgpu.semaphore_signal(ready.at[offsets[j] + tile], -1, memory_scope="gpu")
 
-        if waits:  # every wait has passed: each owner takes its tiles' signals back
-            each_fragment(take_back, phases[:-1])
+        each_fragment(take_back, phases[:-1])  # every wait has passed: each owner takes its tiles' signals back
         plgpu.semaphore_signal(left, 1, memory_scope="gpu")
 
         @pl.when(p == 0)
@@ -408,7 +410,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 def _():
                     plgpu.barrier_arrive(g_free)
 
-                if "no-epilogue" not in trial:
+                if "no-epilogue" not in trials:
                     finish(ph, tile, totals)
                 else:  # the fetches' barriers are still waited for: each completion is awaited once
                     for half in range(2):
@@ -417,7 +419,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                             plgpu.barrier_wait(gr_bar.at[half])
                 if j + 1 < len(phases):  # the tile's outputs are in global memory: its waiters may copy them
                     plgpu.wait_smem_to_gmem(0)
-                    if waits:
+                    if waited(j + 1):
                         plgpu.semaphore_signal(ready.at[offsets[j] + tile], 1, memory_scope="gpu")
                     if ph.name in ("wo", "down"):
                         plgpu.semaphore_signal(finished.at[int(ph.name == "down")], 1, memory_scope="gpu")
@@ -432,7 +434,7 @@ def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, ou
     """See reference.decode_layer: a [m, d] (the attention output, bfloat16 or float16) and the residual h0 [m, d],
     m <= 8, -> (h2 [m, d], qkv [m, nq]). `programs`: one an SM, all resident (default_programs); `stages`: the
     copy ring's depth; `trial`: benchmark-only variants whose outputs are wrong ("no-wait": no waits for the tiles of
-    the phase before, "no-epilogue", comma-joined: benchmarks/layer_gpu.py);
+    the phase before, "no-wait-gate_up" (-down, -qkv) at one phase only, "no-epilogue", comma-joined: benchmarks/layer_gpu.py);
     `compiler_params`: e.g. a Mosaic GPU profile_dir."""
     if jax.default_backend() != "gpu":
         raise NotImplementedError("the layer kernel (grid-shared semaphores) has no interpreted form: run it on a GPU")
