@@ -280,7 +280,10 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         plgpu.semaphore_signal(gone, 1, memory_scope="gpu")
         plgpu.semaphore_wait(gone, programs, decrement=False, memory_scope="gpu")
         def take_back(j, ph, tile, f):
-            @pl.when((holders(ph, tile)[0] == p) & waited(j + 1))
+            if not waited(j + 1):
+                return
+
+            @pl.when(holders(ph, tile)[0] == p)
             def _():
                 plgpu.semaphore_signal(ready.at[offsets[j] + tile], -1, memory_scope="gpu")
 
