@@ -40,8 +40,10 @@ Only on a GPU: grid-shared semaphores have no interpreter (tests lower it for CU
 
 Status (H100, JAX 0.11.2, benchmarks/layer_gpu.py, 4 layers of 8B shapes at batch 1, device time): correct (within
 7e-3 of the model's path after 4 layers; its GPU tests pass) but still slower than the model's path for the same
-math: 106.2 against 99.8 us a layer (grid barriers between phases: 110.4 against 99.5), so the model does not call
-it (benchmarks/int8_gpu_notes.md, session 24).
+math: 105.6-106.2 against 99.5-99.8 us a layer in four runs (with grid barriers between phases: 110.4 against 99.5),
+so the model does not call it. Without any waits (a trial, wrong outputs) it takes ~94: the waits cost 5.3, 4.0 and
+2.1 us a layer going into gate_up, down and qkv, the latency of a chain of two hops between SMs where a tile's
+middle pieces end their programs' runs (benchmarks/int8_gpu_notes.md, session 24).
 """
 
 from __future__ import annotations
