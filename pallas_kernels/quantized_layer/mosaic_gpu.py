@@ -281,6 +281,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         gone, left = (pl.get_global(plgpu.SemaphoreType.REGULAR(())) for _ in range(2))
         plgpu.semaphore_signal(gone, 1, memory_scope="gpu")
         plgpu.semaphore_wait(gone, programs, decrement=False, memory_scope="gpu")
+
         def take_back(j, ph, tile, f):
             if not waited(j + 1):
                 return
@@ -372,6 +373,9 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
             @pl.when(piece == 0)
             def _():  # the epilogue's inputs, copied while the product runs
+                if ph.name == "down":  # its residual h1 is wo's output: this program's down units need not have
+                    # waited for the wo tile it reads (a gate_up run inside one tile waits for only some)
+                    plgpu.semaphore_wait(finished.at[0], phases[0].tiles, decrement=False, memory_scope="gpu")
                 fetch(ph, tile)
 
             if ph.name in ("gate_up", "qkv"):  # the norm before it needs every tile of the residual before
@@ -433,6 +437,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         plgpu.wait_smem_to_gmem(0)
         leave()
 
+
 def decode_layer(a: jax.Array, h0: jax.Array, w: LayerWeights, *, eps: float, out_dtype: Any = None,
                  programs: int | None = None, stages: int = STAGES, trial: str = "",
                  compiler_params: Any = None) -> tuple[jax.Array, jax.Array]:
@@ -464,7 +469,13 @@ def default_programs(d: int, f: int, nq: int, programs: int | None = None) -> in
     return programs
 
 
-def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, stages: int) -> None:
+TRIALS = ("no-wait", "no-wait-gate_up", "no-wait-down", "no-wait-qkv", "no-epilogue")
+
+
+def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, stages: int, trial: str) -> None:
+    unknown = set(filter(None, trial.split(","))) - set(TRIALS)
+    if unknown:
+        raise ValueError(f"trial={trial!r}: unknown {sorted(unknown)}; the trials are {', '.join(TRIALS)}")
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]
     if not supports(m, d, f, nq):
@@ -493,7 +504,7 @@ def _check(a: jax.Array, h0: jax.Array, w: LayerWeights, stages: int) -> None:
 
 def _decode_layer(a, h0, w, *, eps, out_dtype=None, programs=None, stages=STAGES, trial="", compiler_params=None):
     """decode_layer without the device checks (tests lower it for CUDA on the CPU)."""
-    _check(a, h0, w, stages)
+    _check(a, h0, w, stages, trial)
     programs = default_programs(a.shape[1], w.gate_up.shape[0], w.qkv.shape[0], programs)
     m, d = a.shape
     f, nq = w.gate_up.shape[0], w.qkv.shape[0]

@@ -95,6 +95,8 @@ def test_layer_kernel_names_what_it_cannot_take():
         mosaic_gpu._decode_layer(a, h0, w._replace(down=w.down.astype(jnp.int16)), eps=1e-5)
     with pytest.raises(ValueError, match="m <= 8 rows, d a multiple of 4096"):
         mosaic_gpu._decode_layer(jnp.zeros((9, 4096), jnp.bfloat16), jnp.zeros((9, 4096), jnp.bfloat16), w, eps=1e-5)
+    with pytest.raises(ValueError, match=r"trial='no-barrier': unknown \['no-barrier'\]"):
+        mosaic_gpu._decode_layer(a, h0, w, eps=1e-5, trial="no-barrier")
     with pytest.raises(ValueError, match="programs=17 must be 1-16: one an SM .* at most the 16 units"):
         mosaic_gpu._decode_layer(a, h0, w, eps=1e-5, programs=17)  # qkv: one tile of 16 steps
     if jax.default_backend() != "gpu":
@@ -120,4 +122,3 @@ def test_every_program_holds_a_unit_of_every_phase(d, f, nq):
             last = next(p for p, (b, e) in enumerate(runs) if b <= last_unit < e)
             assert owner == -(-(first_unit + 1) * programs // ph.units) - 1
             assert last == -(-(last_unit + 1) * programs // ph.units) - 1
-
