@@ -145,7 +145,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
     trials = set(trial.split(","))
 
     def waited(j):  # whether phase j's units wait for the tiles of the phase before (trials leave them out)
-        return 0 < j and not trials & {"no-wait", f"no-wait-{phases[j].name}"}
+        return j > 0 and not trials & {"no-wait", f"no-wait-{phases[j].name}"}
 
     def w_src(j, tile, k_at, half):  # half of phase j's weight tile: 64 rows by a step
         cols = pl.ds(k_at, BLOCK_K)
