@@ -93,6 +93,7 @@ def profile(w, a, h, directory: str) -> None:
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from pallas_kernels.quantized_layer.mosaic_gpu import decode_layer
 
+    os.makedirs(directory, exist_ok=True)  # (the profiler writes into it, and fails if it is missing)
     jax.block_until_ready(jax.jit(lambda a, h, w: decode_layer(a, h, w, eps=EPS))(a, h, w))
     params = plgpu.CompilerParams(profile_space=256, profile_dir=directory)
     jax.block_until_ready(jax.jit(lambda a, h, w: decode_layer(a, h, w, eps=EPS, compiler_params=params))(a, h, w))

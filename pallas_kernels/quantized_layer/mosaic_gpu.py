@@ -139,8 +139,15 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
     # that read its outputs wait for it without taking it back (a count taken by many is a contended compare-and-swap
     # loop each: 168.7 against 110.4 us a layer), and the owner takes it back once every program is done (leave)
     ready = pl.get_global(plgpu.SemaphoreType.REGULAR((offsets[-1],)))
-    # the tiles of wo, of down finished: the norm's 1/rms after them needs every tile's sums of squares
-    finished = pl.get_global(plgpu.SemaphoreType.REGULAR((2,)))
+    # the phases that add to the residual stream (wo, down) and their places among them (`stream`: their semaphore in
+    # `finished`, their output h1 or h2, their sums of squares in ss_ref); a count of each one's finished tiles: the
+    # norm's 1/rms after it needs every tile's sums of squares, the next residual phase its output
+    stream_phases = [j for j, ph in enumerate(phases) if ph.name in ("wo", "down")]
+    stream = {j: i for i, j in enumerate(stream_phases)}
+    finished = pl.get_global(plgpu.SemaphoreType.REGULAR((len(stream),)))
+
+    def wait_finished(j):  # every tile of residual phase j
+        plgpu.semaphore_wait(finished.at[stream[j]], phases[j].tiles, decrement=False, memory_scope="gpu")
     x_srcs = (a_ref, xb_ref, act_ref, xb_ref)
     trials = set(trial.split(","))
 
@@ -297,8 +304,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
         def _():
             plgpu.semaphore_wait(left, programs, memory_scope="gpu")  # (one waiter: no contention)
             plgpu.semaphore_signal(gone, -programs, memory_scope="gpu")
-            plgpu.semaphore_signal(finished.at[0], -phases[0].tiles, memory_scope="gpu")
-            plgpu.semaphore_signal(finished.at[1], -phases[2].tiles, memory_scope="gpu")
+            for j, i in stream.items():
+                plgpu.semaphore_signal(finished.at[i], -phases[j].tiles, memory_scope="gpu")
 
     @pl.when(wg == 3)
     def _epilogue():  # the pieces' stores and signals, the owners' epilogues and their tiles' signals
@@ -318,7 +325,7 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf, ref)
 
-        def fetch(ph, tile):  # an owner's per-channel scales, and for wo and down the gain and residual, by half
+        def fetch(j, ph, tile):  # an owner's per-channel scales, and for wo and down the gain and residual, by half
             for half in range(2):
                 cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
                 if ph.name == "gate_up":
@@ -326,8 +333,8 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 else:
                     scales = {"wo": wo_s, "down": dn_s, "qkv": q_s}[ph.name].at[cols]
                 plgpu.copy_gmem_to_smem(scales, sc_smem.at[half], sc_bar.at[half])
-                if ph.name in ("wo", "down"):
-                    gain, res = (gm_ref, h0_ref) if ph.name == "wo" else (ga_ref, h1_ref)
+                if j in stream:
+                    gain, res = ((gm_ref, h0_ref), (ga_ref, h1_ref))[stream[j]]
                     plgpu.copy_gmem_to_smem(gain.at[cols], g_smem.at[half], gr_bar.at[half])
                     plgpu.copy_gmem_to_smem(res.at[:, cols], res_smem.at[half], gr_bar.at[half])
 
@@ -350,19 +357,17 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                 store_out(h * _row_vector(g_smem.at[half], shape) * X_SHIFT, of_smem.at[half], xb_ref.at[:, cols])
                 row_sums_out(h * h, sq_smem.at[half], ss.at[pl.ds(2 * tile + half, 1)])
 
-        def finish(ph, tile, totals):
+        def finish(j, ph, tile, totals):
             # every buffer below is written once an epilogue: the stores of the one before must have read theirs
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            if ph.name == "wo":
-                finish_residual(tile, totals, h1_ref, ss_ref.at[0])
+            if j in stream:
+                finish_residual(tile, totals, (h1_ref, h2_ref)[stream[j]], ss_ref.at[stream[j]])
             elif ph.name == "gate_up":  # half 0 the tile's gate rows, half 1 the same channels' up rows
-                r = rms(0)
+                r = rms(stream[j - 1])
                 g, u = scaled(totals[0], 0) * r, scaled(totals[1], 1) * r
                 store_out(g / (1.0 + jnp.exp(-g)) * u * X_SHIFT, of_smem.at[0], act_ref.at[:, pl.ds(tile * ROWS, ROWS)])
-            elif ph.name == "down":
-                finish_residual(tile, totals, h2_ref, ss_ref.at[1])
             else:
-                r = rms(1)
+                r = rms(stream[j - 1])
                 for half in range(2):
                     cols = pl.ds(tile * BLOCK_N + half * ROWS, ROWS)
                     store_out(scaled(totals[half], half) * r, oq_smem.at[half], qkv_ref.at[:, cols])
@@ -373,20 +378,19 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
 
             @pl.when(piece == 0)
             def _():  # the epilogue's inputs, copied while the product runs
-                if ph.name == "down":  # its residual h1 is wo's output: this program's down units need not have
-                    # waited for the wo tile it reads (a gate_up run inside one tile waits for only some)
-                    plgpu.semaphore_wait(finished.at[0], phases[0].tiles, decrement=False, memory_scope="gpu")
-                fetch(ph, tile)
+                if stream.get(j, 0) > 0:  # its residual is the residual phase before's output, which this program's
+                    # units need not have waited for (a gate_up run inside one tile waits for only some wo tiles)
+                    wait_finished(stream_phases[stream[j] - 1])
+                fetch(j, ph, tile)
 
-            if ph.name in ("gate_up", "qkv"):  # the norm before it needs every tile of the residual before
-                i = int(ph.name == "qkv")
+            if j - 1 in stream:  # the norm before it needs every tile of the residual phase before
                 first_owned = jnp.where(lax.rem(runs[j][0], ph.steps) == 0, 0, 1)
 
                 @pl.when((piece == 0) & (f == first_owned))
                 @jax.named_scope(f"{ph.name}_rms")
                 def _():
-                    plgpu.semaphore_wait(finished.at[i], phases[2 * i].tiles, decrement=False, memory_scope="gpu")
-                    plgpu.copy_gmem_to_smem(ss_ref.at[i], ss_smem.at[i], ss_bar)
+                    wait_finished(j - 1)
+                    plgpu.copy_gmem_to_smem(ss_ref.at[stream[j - 1]], ss_smem.at[stream[j - 1]], ss_bar)
                     plgpu.barrier_wait(ss_bar)
 
             plgpu.barrier_wait(ep_ready.at[f % 2])
@@ -420,18 +424,18 @@ def _kernel(a_ref, h0_ref, wo_ref, wo_s, gm_ref, gu_ref, gu_s, dn_ref, dn_s, ga_
                     plgpu.barrier_arrive(g_free)
 
                 if "no-epilogue" not in trials:
-                    finish(ph, tile, totals)
+                    finish(j, ph, tile, totals)
                 else:  # the fetches' barriers are still waited for: each completion is awaited once
                     for half in range(2):
                         plgpu.barrier_wait(sc_bar.at[half])
-                        if ph.name in ("wo", "down"):
+                        if j in stream:
                             plgpu.barrier_wait(gr_bar.at[half])
                 if j + 1 < len(phases):  # the tile's outputs are in global memory: its waiters may copy them
                     plgpu.wait_smem_to_gmem(0)
                     if waited(j + 1):
                         plgpu.semaphore_signal(ready.at[offsets[j] + tile], 1, memory_scope="gpu")
-                    if ph.name in ("wo", "down"):
-                        plgpu.semaphore_signal(finished.at[int(ph.name == "down")], 1, memory_scope="gpu")
+                    if j in stream:
+                        plgpu.semaphore_signal(finished.at[stream[j]], 1, memory_scope="gpu")
 
         each_fragment(fragment)
         plgpu.wait_smem_to_gmem(0)
