@@ -55,11 +55,14 @@ def random_layers(layers: int, d: int, f: int, nq: int) -> list[LayerWeights]:
 def kernel_chain(ws, a, h, trial=""):
     from pallas_kernels.quantized_layer.mosaic_gpu import decode_layer
 
+    from benchmarks.ring_probes import probe
+
     options = dict(item.split("=") for item in trial.split(",") if "=" in item)
     trial = ",".join(item for item in trial.split(",") if "=" not in item)
-    for w in ws:
-        h, qkv = decode_layer(a, h, w, eps=EPS, trial=trial, **{k: int(v) for k, v in options.items()})
-        a = qkv[:, : a.shape[1]]
+    with probe(options.pop("probe", None)):  # (traced inside: the stand-in ring step goes into the kernel)
+        for w in ws:
+            h, qkv = decode_layer(a, h, w, eps=EPS, trial=trial, **{k: int(v) for k, v in options.items()})
+            a = qkv[:, : a.shape[1]]
     return h, qkv
 
 
@@ -128,7 +131,8 @@ def main():
     ap.add_argument("--trials", default="", help="semicolon-separated kernel trials also timed (wrong outputs, a "
                     "bound): no-wait (no waits for the previous phase's tiles: phases overlap), no-epilogue (owners "
                     "finish no tile), comma-joined; "
-                    "stages=N (the ring's depth) times a correct variant")
+                    "stages=N (the ring's depth) times a correct variant; probe=copies|s8|s8chunk swaps the ring step for "
+                    "benchmarks/ring_probes.py's stand-in")
     ap.add_argument("--profile-dir", default="", help="trace one layer kernel's named regions per warpgroup "
                     "(Mosaic GPU's profiler) into this directory, print where each phase's time goes, then exit")
     ap.add_argument("--out", default="benchmarks/results/layer_gpu.jsonl")

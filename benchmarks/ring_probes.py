@@ -90,12 +90,18 @@ PROBES = {"copies": copies_only, "s8": s8_products, "s8chunk": functools.partial
 
 @contextlib.contextmanager
 def probe(name: str | None):
-    """While tracing inside this block, the int8 matmul's ring step is PROBES[name] (None: the real one)."""
+    """While tracing inside this block, the int8 ring step (the matmul's and the layer kernel's) is PROBES[name]
+    (None: the real one)."""
     if name is not None and name not in PROBES:
         raise ValueError(f"probe={name!r}: expected one of {sorted(PROBES)}")
+    from pallas_kernels.quantized_layer import mosaic_gpu as layer_gpu
+
+    modules = (qmm_gpu, layer_gpu)  # the layer kernel imports the ring step by name
     real = qmm_gpu.ring_product
-    qmm_gpu.ring_product = PROBES[name] if name else real
+    for module in modules:
+        module.ring_product = PROBES[name] if name else real
     try:
         yield
     finally:
-        qmm_gpu.ring_product = real
+        for module in modules:
+            module.ring_product = real
