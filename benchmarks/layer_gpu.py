@@ -130,7 +130,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--trials", default="", help="semicolon-separated kernel trials also timed (wrong outputs, a "
                     "bound): no-wait (no waits for the previous phase's tiles: phases overlap), no-epilogue (owners "
-                    "finish no tile), comma-joined; "
+                    "finish no tile), comma-joined; each trial's outputs are compared with the model path's; "
                     "stages=N (the ring's depth) times a correct variant; probe=copies|s8|s8chunk swaps the ring step for "
                     "benchmarks/ring_probes.py's stand-in")
     ap.add_argument("--profile-dir", default="", help="trace one layer kernel's named regions per warpgroup "
@@ -148,12 +148,13 @@ def main():
     if args.profile_dir:
         return profile(ws[0], a, h, args.profile_dir)
     kernel_fn, model_fn = jax.jit(kernel_chain), jax.jit(model_chain)
-    hk, qk = kernel_fn(ws, a, h)
     hm, qm = model_fn(ws, a, h)
-    diff_h = float(jnp.abs(hk.astype(jnp.float32) - hm.astype(jnp.float32)).max()
-                   / jnp.abs(hm.astype(jnp.float32)).max())
-    diff_q = float(jnp.abs(qk.astype(jnp.float32) - qm.astype(jnp.float32)).max()
-                   / jnp.abs(qm.astype(jnp.float32)).max())
+
+    def differences(fn):  # fn's outputs against the model path's: largest difference over largest value
+        return tuple(float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
+                           / jnp.abs(want.astype(jnp.float32)).max()) for got, want in zip(fn(ws, a, h), (hm, qm)))
+
+    diff_h, diff_q = differences(kernel_fn)
     print(f"outputs after {args.layers} layers, largest difference over largest value: h {diff_h:.2e}, "
           f"qkv {diff_q:.2e}", flush=True)
     copy = copy_bandwidth_device()
@@ -173,10 +174,13 @@ def main():
            "the model's path: one int8 kernel a product, XLA glue between (device time)", model_s,
            higher_is_better=False)
     for trial in filter(None, args.trials.split(";")):
-        t = device_seconds(jax.jit(functools.partial(kernel_chain, trial=trial)), (ws, a, h), reps=args.reps)
-        t /= args.layers
-        print(f"trial {trial:24s} {t * 1e6:7.1f} us a layer ({per_layer_bytes / t / copy:.2f} of the copy)", flush=True)
-        record(args.out, "int8_decode_layer_kernel", {"layers": args.layers, "trial": trial}, "seconds_per_layer", t,
+        fn = jax.jit(functools.partial(kernel_chain, trial=trial))
+        dh, dq = differences(fn)
+        t = device_seconds(fn, (ws, a, h), reps=args.reps) / args.layers
+        print(f"trial {trial:24s} {t * 1e6:7.1f} us a layer ({per_layer_bytes / t / copy:.2f} of the copy); outputs "
+              f"h {dh:.1e}, qkv {dq:.1e} from the model's", flush=True)
+        record(args.out, "int8_decode_layer_kernel", {"layers": args.layers, "trial": trial, "difference_h": dh,
+                                                      "difference_qkv": dq}, "seconds_per_layer", t,
                "s", "the kernel as built, same run", kernel_s, higher_is_better=False)
 
 
