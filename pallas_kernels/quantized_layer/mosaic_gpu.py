@@ -43,7 +43,10 @@ Status (H100, JAX 0.11.2, benchmarks/layer_gpu.py, 4 layers of 8B shapes at batc
 math: 105.6-106.2 against 99.5-99.8 us a layer in four runs (with grid barriers between phases: 110.4 against 99.5),
 so the model does not call it. Without any waits (a trial, wrong outputs) it takes ~94: the waits cost 5.3, 4.0 and
 2.1 us a layer going into gate_up, down and qkv, the latency of a chain of two hops between SMs where a tile's
-middle pieces end their programs' runs (benchmarks/int8_gpu_notes.md, session 24).
+middle pieces end their programs' runs (benchmarks/int8_gpu_notes.md, session 24). With neither waits nor products
+(the ring step a stand-in that only hands tiles back) it still takes ~88: the pieces, owners and epilogues cost ~12
+us a layer over a schedule without them, so this structure cannot give the 8B step 1.8x bfloat16 (session 26).
+Splitting the producer by warp (weights apart from the waits and the gathers) was slower: 111.4 against 106.4.
 """
 
 from __future__ import annotations
