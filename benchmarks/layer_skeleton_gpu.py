@@ -18,7 +18,8 @@ What it leaves out: the norms, SiLU·up and the activations' split into int8 par
 summing of the partial tiles. Its outputs are not checked: the time is the point.
 
 The baseline, in the same run and process: the same products by the int8 kernel the model uses (one kernel each,
-the same weights, chained so each waits for the one before), by device time from a profile.
+the same weights, chained so each waits for the one before), by device time from a profile. Also timed: the same
+skeleton launched once a layer (what a layer kernel's start and end cost, against every layer in one kernel).
 
     PYTHONPATH=. python3 benchmarks/layer_skeleton_gpu.py [--layers 4]   # writes results/layer_skeleton_gpu.jsonl
 """
@@ -219,11 +220,23 @@ def main() -> None:
                 x = qmm_gpu.quantized_matmul(x, w, s, interpret=False)[:, :shapes[(kind + 1) % kinds][1]]
         return x
 
+    layer_kernel = skeleton(shapes, 1, args.programs, args.stages, barriers=args.trial != "no-barriers",
+                            reload=args.trial != "no-reload", b_cols=args.b_cols or None)
+
+    def kernel_a_layer(per_layer, bs):  # the same schedule, one kernel a layer, each after the one before
+        outs = None
+        for layer_weights in per_layer:
+            if outs is not None:  # (no kernel of its own: only orders the next launch after this one's outputs)
+                bs = lax.optimization_barrier((outs, bs))[1]
+            outs = layer_kernel(*layer_weights, *bs)
+        return outs
+
     kinds = len(shapes)
     x = jax.random.normal(key, (COLS, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
     per_layer = [[w[layer * n:(layer + 1) * n] for (n, _), w in zip(shapes, weights)] for layer in range(args.layers)]
     if jax.default_backend() == "cpu":  # no interpreter for grid-shared semaphores: lower only
         jax.jit(kernel).trace(*weights, *bs).lower(lowering_platforms=("cuda",))
+        jax.jit(kernel_a_layer).trace(per_layer, bs).lower(lowering_platforms=("cuda",))
         jax.jit(lambda *a: separate(*a)).trace(per_layer, x).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
@@ -231,11 +244,18 @@ def main() -> None:
     total_bytes = sum(w.size for w in weights)
     fused = device_seconds(jax.jit(kernel), (*weights, *bs), reps=5)
     apart = device_seconds(jax.jit(separate), (per_layer, x), reps=5)
+    layered = device_seconds(jax.jit(kernel_a_layer), (per_layer, bs), reps=5)
     line = (f"{args.layers} layers, {total_bytes / 1e9:.2f} GB: one kernel {fused * 1e6:.1f} us "
             f"({total_bytes / fused / copy:.2f} of the copy, {fused / args.layers * 1e6:.1f} us a layer); one kernel "
-            f"a product {apart * 1e6:.1f} us ({total_bytes / apart / copy:.2f}, {apart / args.layers * 1e6:.1f} us a "
-            f"layer); copy {copy / 1e9:.0f} GB/s")
+            f"a layer {layered * 1e6:.1f} us ({total_bytes / layered / copy:.2f}, {layered / args.layers * 1e6:.1f} us "
+            f"a layer); one kernel a product {apart * 1e6:.1f} us ({total_bytes / apart / copy:.2f}, "
+            f"{apart / args.layers * 1e6:.1f} us a layer); copy {copy / 1e9:.0f} GB/s")
     print(line, flush=True)
+    record(args.out, "int8_layer_skeleton_kernel_a_layer", {"layers": args.layers, "programs": args.programs,
+                                                             "stages": args.stages, "trial": args.trial or None,
+                                                             "b_cols": args.b_cols or None},
+           "seconds", layered, "s", "the skeleton with every layer in one kernel (same run)", fused,
+           higher_is_better=False)
     record(args.out, "int8_layer_skeleton", {"layers": args.layers, "programs": args.programs, "stages": args.stages,
                                                 "trial": args.trial or None, "b_cols": args.b_cols or None},
            "seconds", fused, "s", "one int8 kernel a product (device time, chained)", apart, higher_is_better=False)
