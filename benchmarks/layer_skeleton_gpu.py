@@ -49,7 +49,7 @@ PHASES = ("wo", "w_gate_up", "w_down", "wqkv")  # a layer's products in the orde
 
 
 def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: int, barriers: bool = True,
-             reload: bool = True, b_cols: int | None = None):
+             reload: bool = True, b_cols: int | None = None, after: bool = False):
     """The kernel: (weights [layers · n, k] int8 and B [8, k] int8 for each of `shapes`) -> an output [8, n]
     float32 each (the last layer's; every layer's pieces write over the layer's before). Trials: `barriers`
     False leaves out the grid barriers (phases overlap where programs drift apart; it may also hang: warpgroup 0 can
@@ -57,7 +57,8 @@ def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: 
     wrong phase; it did not in the runs of session 22); `reload` False copies the
     widest B once at the start and every phase reads it (no copy after each barrier); `b_cols` keeps at most
     that many columns of B in shared memory (a phase reads them cyclically), which leaves room for a deeper ring:
-    what a kernel copying only each program's k range of B would have."""
+    what a kernel copying only each program's k range of B would have. `after`: one more input, not read (the
+    outputs of a kernel this one must follow)."""
     kinds = len(shapes)
     k_max = min(max(k for _, k in shapes), b_cols or 1 << 30)
     units = [(n // BLOCK_N) * (k // BLOCK_K) for n, k in shapes]
@@ -67,8 +68,10 @@ def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: 
         return lax.div(p * units[kind], programs), lax.div((p + 1) * units[kind], programs)
 
     def body(*refs):
-        w_refs, b_refs, o_refs = refs[:kinds], refs[kinds:2 * kinds], refs[2 * kinds:3 * kinds]
-        w_smem, b_smem, o_smem, tile_bar, free_bar, b_bar = refs[3 * kinds:]
+        w_refs, b_refs = refs[:kinds], refs[kinds:2 * kinds]
+        refs = refs[2 * kinds + after:]
+        o_refs = refs[:kinds]
+        w_smem, b_smem, o_smem, tile_bar, free_bar, b_bar = refs[kinds:]
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # a program's ring position at the start of a layer: the units of every phase before, which depend on p only
         per_layer = sum(e - b for b, e in (run_of(kind, p) for kind in range(kinds)))
@@ -221,14 +224,14 @@ def main() -> None:
         return x
 
     layer_kernel = skeleton(shapes, 1, args.programs, args.stages, barriers=args.trial != "no-barriers",
-                            reload=args.trial != "no-reload", b_cols=args.b_cols or None)
+                            reload=args.trial != "no-reload", b_cols=args.b_cols or None, after=True)
 
-    def kernel_a_layer(per_layer, bs):  # the same schedule, one kernel a layer, each after the one before
-        outs = None
+    def kernel_a_layer(per_layer, bs):  # the same schedule, one kernel a layer, each taking the one before's first
+        # output as an input it does not read: that orders the launches and keeps every one (with the outputs only
+        # through an optimization_barrier, XLA dropped all but the last: session 27's first run timed one layer)
+        outs = (bs[0],)  # the first follows nothing
         for layer_weights in per_layer:
-            if outs is not None:  # (no kernel of its own: only orders the next launch after this one's outputs)
-                bs = lax.optimization_barrier((outs, bs))[1]
-            outs = layer_kernel(*layer_weights, *bs)
+            outs = layer_kernel(*layer_weights, *bs, outs[0])
         return outs
 
     kinds = len(shapes)

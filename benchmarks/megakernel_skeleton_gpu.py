@@ -1,0 +1,398 @@
+"""The performance skeleton of a decode megakernel: every layer of an int8 decode step, attention included, in one
+persistent Mosaic GPU kernel, with the phase boundaries the real kernel would have; what it would cost on the H100.
+
+Session 26 (int8_gpu_notes.md) left 1.8x bfloat16 at batch 1 to a kernel that spans the layers with attention
+inside it, at no more than session 22's skeleton (85 us a layer, every layer's four products in one kernel, grid
+barriers between phases) with the numerics added. That skeleton had no attention (~9.5 us a layer of XLA and Pallas
+kernels in the step today) and a grid barrier at each phase end (~2.3 us each). This one has the boundaries a
+megakernel would have instead:
+
+- phases qkv, attention, wo, gate_up, down of each layer in turn, on 132 programs (one an SM);
+- a product phase is stream-K over (128-row tile, 256-input step) units through one copy ring that runs on
+  across phases and layers; each piece of an output tile is added into the phase's float32 output in global
+  memory by a TMA reduce-add (no owners, no gathers: the residual stream and the MLP's sums are summed where they
+  land), then counted on the tile's grid-shared semaphore;
+- a unit copies its 256 inputs only once every piece of the tiles holding them is counted (one hop between SMs a
+  boundary, no grid barrier): qkv waits for two down tiles of the layer before, a head of attention for its q, k
+  and v tiles, wo for two heads, gate_up for two wo tiles, down for the two gate and two up tiles of its inputs
+  (gate_up's rows interleaved by 128 channels);
+- attention: programs 0-31 take a head each, streaming its kv head's K and V for a context of 256 (4 units of
+  32 KB through the same ring: 1 MB a layer from HBM, the rest from L2) and storing its [rows, 128] output;
+- the float32 outputs are zeroed by the kernel at its start (every program a share, then a grid-wide count).
+
+What it leaves out, to be added by the real kernel: the numerics (the products are int8 wgmma on a stand-in int8 B,
+as session 22's skeleton; softmax, RoPE and the K/V write; the norms' 1/rms and SiLU·up, applied where a unit's
+inputs are converted to float16 after its wait). Its outputs are not checked: the time is the point.
+
+Baseline in the same run and process: session 22's skeleton (the four products of each layer, grid barriers, no
+attention) on the same weights. The bound for the served step: 32 · (this, a layer) + the head (~0.21 ms) against
+bfloat16's ~5.86-5.96 ms (session 26); 1.8x needs at most ~95 us a layer here, with the numerics still to add.
+
+    PYTHONPATH=. python3 benchmarks/megakernel_skeleton_gpu.py [--layers 8]   # results/megakernel_skeleton_gpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import record  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
+from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
+from benchmarks.layer_skeleton_gpu import BLOCK_K, BLOCK_N, COLS, PHASES, skeleton  # noqa: E402
+from pallas_kernels import backend as backend_lib  # noqa: E402
+from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms  # noqa: E402
+from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
+
+CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
+ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    name: str
+    n: int  # output columns (weight rows)
+    k: int  # inputs
+    tiles: int
+    steps: int  # units a tile
+    fragments: int  # the most tiles a program's run touches
+    stream_k: bool  # False: attention, a head a program
+
+    @property
+    def units(self) -> int:
+        return self.tiles * self.steps
+
+
+def plan(cfg, programs: int) -> tuple[Phase, ...]:
+    products = layer_products(cfg)
+    phases = []
+    for name in ORDER:
+        if name == "attn":  # a head's K and V (bfloat16) as units of [128, 256] bytes
+            steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
+            phases.append(Phase(name, cfg.num_heads * cfg.head_dim, BLOCK_K, cfg.num_heads, steps, 1, False))
+        else:
+            n, k = products[name]
+            tiles, steps = n // BLOCK_N, k // BLOCK_K
+            phases.append(Phase(name, n, k, tiles, steps, qmm_gpu.stream_k_plan(steps, tiles, programs)[1], True))
+    return tuple(phases)
+
+
+def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
+               products: str = "s8"):
+    """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
+    stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
+    (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
+    for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for its reduce-add to
+    land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead). `products`: "s8" (int8
+    wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
+    chunk converted to float16 in registers, B a float16 stand-in)."""
+    trials = set(filter(None, trial.split(",")))
+    phases = plan(cfg, programs)
+    if "no-attn" in trials:
+        phases = tuple(ph for ph in phases if ph.name != "attn")
+    group = cfg.num_heads // cfg.num_kv_heads
+    q_tiles, kv_tiles = cfg.num_heads * cfg.head_dim // BLOCK_N, cfg.num_kv_heads * cfg.head_dim // BLOCK_N
+    offsets = [sum(ph.tiles for ph in phases[:j]) for j in range(len(phases))]
+    per_layer_tiles = offsets[-1] + phases[-1].tiles
+    count = len(phases)
+
+    def run_of(j, p):
+        ph = phases[j]
+        if ph.stream_k:
+            return lax.div(p * ph.units, programs), lax.div((p + 1) * ph.units, programs)
+        return jnp.minimum(p, ph.tiles) * ph.steps, jnp.minimum(p + 1, ph.tiles) * ph.steps
+
+    def pieces(j, tile):  # the signals that complete tile of phase j: two warpgroups of each program holding a piece
+        ph = phases[j]
+        if not ph.stream_k:
+            return 2
+        first = qmm_gpu.stream_k_holder(tile * ph.steps + 1, ph.units, programs)
+        last = qmm_gpu.stream_k_holder((tile + 1) * ph.steps, ph.units, programs)
+        return 2 * (last - first + 1)
+
+    def sources(j, p, k_at):  # (phase, tile) whose pieces a unit of phase j with inputs at k_at waits for
+        name = phases[j].name
+        if name == "wqkv":  # the down tiles of the layer before
+            return [(count - 1, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
+        if name == "attn":  # head p: its q tile, its kv head's k and v tiles
+            return [(j - 1, p), (j - 1, q_tiles + lax.div(p, group)), (j - 1, q_tiles + kv_tiles + lax.div(p, group))]
+        if name == "w_down":  # gate and up of its channels, interleaved by 128
+            return [(j - 1, 2 * lax.div(k_at, BLOCK_N) + i) for i in range(2 * BLOCK_K // BLOCK_N)]
+        return [(j - 1, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
+
+    def body(*refs):
+        w_refs, kv_ref = refs[:4], refs[4]
+        b_refs, z_ref = refs[5:5 + count], refs[5 + count]
+        o_refs = refs[6 + count:6 + 2 * count]
+        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar = refs[6 + 2 * count:]
+        p, wg = lax.axis_index("p"), lax.axis_index("wg")
+        # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
+        # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
+        # counts the calls; every warpgroup reads it at its start, and program 0 adds one only once every compute
+        # warpgroup has departed (which each does after its producer's last wait), so no read sees the next call's.
+        done = pl.get_global(plgpu.SemaphoreType.REGULAR((layers * per_layer_tiles,)))
+        zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        calls = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        epoch = pl.semaphore_read(calls) + 1
+        runs = [run_of(j, p) for j in range(count)]
+        bases, base = [], 0
+        for begin, end in runs:
+            bases.append(base)
+            base = base + end - begin
+        per_layer = base  # ring steps of one layer, for this program
+        weight_of = dict(zip([n for n in ORDER if n != "attn"], w_refs))
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def position(layer, j, u):
+                g = layer * per_layer + bases[j] + u - runs[j][0]
+                return g, lax.rem(g, stages)
+
+            def copy_weight(layer, j, u):
+                ph = phases[j]
+                g, slot = position(layer, j, u)
+
+                @pl.when(g >= stages)
+                def _():
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                if ph.stream_k:
+                    src = weight_of[ph.name].at[pl.ds(layer * ph.n + lax.div(u, ph.steps) * BLOCK_N, BLOCK_N),
+                                                pl.ds(lax.rem(u, ph.steps) * BLOCK_K, BLOCK_K)]
+                else:
+                    kv_head = lax.div(p, group)
+                    src = kv_ref.at[pl.ds(((layer * cfg.num_kv_heads + kv_head) * ph.steps + lax.rem(u, ph.steps))
+                                          * BLOCK_N, BLOCK_N)]
+                plgpu.copy_gmem_to_smem(src, w_smem.at[slot], tile_bar.at[slot])
+
+            def copy_x(layer, j, u):
+                ph = phases[j]
+                begin = runs[j][0]
+                _, slot = position(layer, j, u)
+                k_at = lax.rem(u, ph.steps) * BLOCK_K if ph.stream_k else 0
+                first_sight = (u - begin < ph.steps) if ph.stream_k else (u == begin)
+
+                @pl.when(first_sight & ((layer > 0) | (j > 0)) & ("no-deps" not in trials))
+                def _():
+                    for src_j, tile in sources(j, p, k_at):
+                        src_layer = layer - 1 if j == 0 else layer
+                        plgpu.semaphore_wait(done.at[src_layer * per_layer_tiles + offsets[src_j] + tile],
+                                             epoch * pieces(src_j, tile), decrement=False, memory_scope="gpu")
+
+                plgpu.copy_gmem_to_smem(b_refs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+
+            def ahead_of(j):  # the units of phase j whose weights went out before its first activations
+                begin, end = runs[j]
+                return jnp.minimum(begin + stages, end)
+
+            def issue_ahead(layer, j):
+                lax.fori_loop(runs[j][0], ahead_of(j), lambda u, c: (copy_weight(layer, j, u), c)[1], None)
+
+            issue_ahead(0, 0)
+
+            def layer_body(layer, carry):
+                for j in range(count):
+                    begin, end = runs[j]
+                    lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: (copy_x(layer, j, u), c)[1], None)
+
+                    def step(u, c, j=j):
+                        copy_weight(layer, j, u)
+                        copy_x(layer, j, u)
+                        return c
+
+                    lax.fori_loop(ahead_of(j), end, step, None)
+                    if j + 1 < count:
+                        issue_ahead(layer, j + 1)
+                    else:
+                        pl.when(layer + 1 < layers)(lambda: issue_ahead(layer + 1, 0))
+                return carry
+
+            lax.fori_loop(0, layers, layer_body, None)
+            total = layers * per_layer
+            qmm_gpu.drain(free_bar, stages, jnp.maximum(total - stages, 0), total)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            rows = pl.ds(pl.multiple_of(wg * qmm_gpu.ROWS, qmm_gpu.ROWS), qmm_gpu.ROWS)
+
+            @pl.when(wg == 0)
+            def _zero():  # this program's share of every reduce-added output, then counted
+                plgpu.copy_gmem_to_smem(z_ref, z_smem, z_bar)
+                plgpu.barrier_wait(z_bar)
+                for j, ph in enumerate(phases):
+                    if not ph.stream_k:
+                        continue
+                    chunks = layers * (ph.n // qmm_gpu.ROWS)
+
+                    def zero(i, c, j=j, ph=ph):
+                        chunk = p + i * programs
+                        col = pl.ds(lax.rem(chunk, ph.n // qmm_gpu.ROWS) * qmm_gpu.ROWS, qmm_gpu.ROWS)
+                        plgpu.copy_smem_to_gmem(z_smem.at[pl.ds(0, out_rows)],
+                                                o_refs[j].at[lax.div(chunk, ph.n // qmm_gpu.ROWS),
+                                                             pl.ds(0, out_rows), col])
+                        return c
+
+                    lax.fori_loop(0, lax.div(chunks - p + programs - 1, programs), zero, None)
+                plgpu.wait_smem_to_gmem(0)
+                plgpu.semaphore_signal(zeroed, 1, memory_scope="gpu")
+
+            plgpu.semaphore_wait(zeroed, epoch * programs, decrement=False, memory_scope="gpu")
+
+            def s8_product(acc_ref, start, stop, g0, begin):
+                def step(u, c):
+                    slot = lax.rem(g0 + u - begin, stages)
+                    plgpu.barrier_wait(tile_bar.at[slot])
+                    for c0 in range(0, BLOCK_K, 128):
+                        plgpu.wgmma(acc_ref, w_smem.at[slot, rows, pl.ds(c0, 128)],
+                                    x_smem.at[slot, :, pl.ds(c0, 128)].transpose((1, 0)))
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free_bar.at[slot])
+                    return c
+
+                lax.fori_loop(start, stop, step, None)
+                return acc_ref[...]
+
+            def layer_body(layer, carry):
+                for j, ph in enumerate(phases):
+                    begin, end = runs[j]
+                    g0 = layer * per_layer + bases[j]
+
+                    def fragment(tile, j=j, ph=ph, begin=begin, end=end, g0=g0):
+                        @pl.when((begin < end) & (tile <= lax.div(end - 1, ph.steps)))
+                        def _():
+                            start = jnp.maximum(begin, tile * ph.steps)
+                            stop = jnp.minimum(end, (tile + 1) * ph.steps)
+
+                            if products == "float16":
+                                acc = qmm_gpu.ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
+                                                           lambda u: lax.rem(g0 + u - begin, stages),
+                                                           interpreted=False)
+                            else:
+                                acc = pl.run_scoped(lambda acc_ref: s8_product(acc_ref, start, stop, g0, begin),
+                                                    plgpu.ACC((qmm_gpu.ROWS, COLS), jnp.int32))
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            qmm_gpu.store_transposed(acc.astype(jnp.float32), o_smem.at[wg], interpreted=False)
+                            plgpu.commit_smem()
+                            cols = pl.ds(tile * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
+                            plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, out_rows)],
+                                                    o_refs[j].at[layer, pl.ds(0, out_rows), cols],
+                                                    reduction_op="add" if ph.stream_k else None)
+                            if "no-store-wait" not in trials:
+                                plgpu.wait_smem_to_gmem(0)  # the piece is in global memory before it is counted
+                            plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[j] + tile], 1,
+                                                   memory_scope="gpu")
+
+                    first_tile = lax.div(begin, ph.steps)
+                    for f in range(ph.fragments):
+                        fragment(first_tile + f)
+                return carry
+
+            lax.fori_loop(0, layers, layer_body, None)
+
+            # every warpgroup departs; once all have, program 0 counts the call (see `calls` above)
+            plgpu.semaphore_signal(departed, 1, memory_scope="gpu")
+
+            @pl.when((p == 0) & (wg == 0))
+            def _():
+                plgpu.semaphore_wait(departed, 2 * programs, memory_scope="gpu")
+                plgpu.semaphore_signal(calls, 1, memory_scope="gpu")
+
+    int8_swizzle = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    x_dtype = jnp.float16 if products == "float16" else jnp.int8
+    x_transforms = mma_transforms(jnp.float16) if products == "float16" else int8_swizzle
+    kernel = plgpu.kernel(
+        body,
+        out_type=tuple(jax.ShapeDtypeStruct((layers, COLS, ph.n), jnp.float32) for ph in phases),
+        scratch_types=(
+            plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
+            plgpu.SMEM((stages, COLS, BLOCK_K), x_dtype, transforms=x_transforms),
+            plgpu.SMEM((2, COLS, qmm_gpu.ROWS), jnp.float32),
+            plgpu.SMEM((COLS, qmm_gpu.ROWS), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's weight tile and its activations
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
+            plgpu.Barrier(num_arrivals=1),
+        ),
+        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
+    )
+    return kernel, phases
+
+
+def inputs(cfg, layers: int, phases, key, products: str = "s8"):
+    shapes = layer_products(cfg)
+    weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
+                                  jnp.int32).astype(jnp.int8) for name in ORDER if name != "attn"]
+    attn = phases[ORDER.index("attn")]
+    kv = jax.random.randint(key, (layers * cfg.num_kv_heads * attn.steps * BLOCK_N, BLOCK_K), -127, 128,
+                            jnp.int32).astype(jnp.int8)
+    if products == "float16":
+        bs = [jax.random.normal(key, (COLS, ph.k), jnp.float32).astype(jnp.float16) for ph in phases]
+    else:
+        bs = [jax.random.randint(key, (COLS, ph.k), -127, 128, jnp.int32).astype(jnp.int8) for ph in phases]
+    return weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--programs", type=int, default=backend_lib.NUM_SMS)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=1, help="output rows reduce-added and zeroed (the batch)")
+    ap.add_argument("--trial", default="", help="comma-joined: no-deps, no-store-wait, no-attn (see megakernel)")
+    ap.add_argument("--products", default="s8", choices=["s8", "float16"], help="see megakernel")
+    ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
+    args = ap.parse_args()
+    cfg = LLAMA_8B
+    if not cfg.num_heads <= args.programs <= backend_lib.NUM_SMS:
+        ap.error(f"--programs must be {cfg.num_heads}-{backend_lib.NUM_SMS}: a head a program in attention, and "
+                 f"every program resident for the waits; got {args.programs}")
+    if not 1 <= args.rows <= COLS:
+        ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
+    kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products)
+    key = jax.random.PRNGKey(0)
+    weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
+    products = layer_products(cfg)
+    shapes = [products[name] for name in PHASES]
+    names = [name for name in ORDER if name != "attn"]
+    layer_weights = [weights[names.index(name)] for name in PHASES]
+    baseline = skeleton(shapes, args.layers, args.programs, args.stages)
+    base_bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for _, k in shapes]
+    if jax.default_backend() == "cpu":  # no interpreter for grid-shared semaphores: lower only
+        jax.jit(kernel).trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
+        return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
+    print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
+    copy = copy_bandwidth_device()
+    mega = device_seconds(jax.jit(kernel), (*weights, kv, *bs, zeros), reps=5)
+    base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
+    mega_again = device_seconds(jax.jit(kernel), (*weights, kv, *bs, zeros), reps=5)
+    product_bytes = sum(w.size for w in weights)
+    per_layer = min(mega, mega_again) / args.layers
+    step = 32 * per_layer + 0.21e-3
+    line = (f"{args.layers} layers: megakernel skeleton {mega * 1e6:.1f} / {mega_again * 1e6:.1f} us "
+            f"({per_layer * 1e6:.1f} us a layer, attention in; products {product_bytes / min(mega, mega_again) / copy:.2f}"
+            f" of the copy); session 22's skeleton {base * 1e6:.1f} us ({base / args.layers * 1e6:.1f} a layer, no "
+            f"attention); a 32-layer step at this rate ~{step * 1e3:.2f} ms, ~{5.9e-3 / step:.2f}x bfloat16's ~5.9 ms "
+            f"before numerics; copy {copy / 1e9:.0f} GB/s")
+    print(line, flush=True)
+    record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
+                                                   "stages": args.stages, "rows": args.rows, "context": CONTEXT,
+                                                   "session": 27, "seconds_again": mega_again,
+                                                   "trial": args.trial or None, "products": args.products},
+           "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
+           "(same run)", base, higher_is_better=False)
+
+
+if __name__ == "__main__":
+    main()
