@@ -72,6 +72,12 @@ class Phase:
         return self.tiles * self.steps
 
 
+def _load_t(ref) -> jax.Array:
+    """A [rows, 64] float32 tile in shared memory -> [64, rows] in the WGMMA layout."""
+    v = plgpu.load(plgpu.transpose_ref(ref, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+    return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
+
+
 def plan(cfg, programs: int) -> tuple[Phase, ...]:
     products = layer_products(cfg)
     phases = []
@@ -87,14 +93,19 @@ def plan(cfg, programs: int) -> tuple[Phase, ...]:
 
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
-               products: str = "s8"):
+               products: str = "s8", convert: bool = False):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
     for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for its reduce-add to
     land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead). `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
-    chunk converted to float16 in registers, B a float16 stand-in)."""
+    chunk converted to float16 in registers, B a float16 stand-in). `convert` (float16 only): a unit's activations are
+    no stand-in but the phase before's float32 sums, copied (the program's rows) into a staging ring and converted
+    to float16 (times X_SHIFT; SiLU(gate)·up for down, from the interleaved gate_up sums) by a fourth warpgroup
+    into the activation ring, as the real kernel must (its gains and 1/rms are a multiply more)."""
+    if convert and products != "float16":
+        raise ValueError(f"convert needs float16 products, got products={products!r}")
     trials = set(filter(None, trial.split(",")))
     phases = plan(cfg, programs)
     if "no-attn" in trials:
@@ -133,7 +144,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         w_refs, kv_ref = refs[:4], refs[4]
         b_refs, z_ref = refs[5:5 + count], refs[5 + count]
         o_refs = refs[6 + count:6 + 2 * count]
-        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar = refs[6 + 2 * count:]
+        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar = refs[6 + 2 * count:]
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
         # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
@@ -151,14 +162,50 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             base = base + end - begin
         per_layer = base  # ring steps of one layer, for this program
         weight_of = dict(zip([n for n in ORDER if n != "attn"], w_refs))
+        widths = [2 * BLOCK_K if ph.name == "w_down" else BLOCK_K for ph in phases]
+
+        def position(layer, j, u):  # (ring step, slot) of phase j's unit u
+            g = layer * per_layer + bases[j] + u - runs[j][0]
+            return g, lax.rem(g, stages)
+
+        @pl.when(wg == 3)
+        def _converter():
+            if not convert:
+                return
+            plgpu.set_max_registers(72, action="decrease")
+
+            def unit(layer, j, u):
+                g, slot = position(layer, j, u)
+
+                @pl.when(g >= stages)  # the compute warpgroups are done with the slot's activations
+                def _():
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                plgpu.barrier_wait(stage_bar.at[slot])
+                for c in range(BLOCK_K // qmm_gpu.ROWS):
+                    if phases[j].name == "w_down":  # gate and up interleaved by 128 channels
+                        at = c // 2 * 2 * BLOCK_N + c % 2 * qmm_gpu.ROWS
+                        gate = _load_t(xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)])
+                        up = _load_t(xs_smem.at[slot, :, pl.ds(at + BLOCK_N, qmm_gpu.ROWS)])
+                        v = gate / (1.0 + jnp.exp(-gate)) * up
+                    else:
+                        v = _load_t(xs_smem.at[slot, :, pl.ds(c * qmm_gpu.ROWS, qmm_gpu.ROWS)])
+                    qmm_gpu.store_transposed(v * qmm_gpu.X_SHIFT, x_smem.at[slot, :, pl.ds(c * qmm_gpu.ROWS,
+                                                                                          qmm_gpu.ROWS)],
+                                             interpreted=False)
+                plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
+                plgpu.barrier_arrive(tile_bar.at[slot])
+
+            def layer_body(layer, carry):
+                for j in range(count):
+                    lax.fori_loop(runs[j][0], runs[j][1], lambda u, c, j=j: (unit(layer, j, u), c)[1], None)
+                return carry
+
+            lax.fori_loop(0, layers, layer_body, None)
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-
-            def position(layer, j, u):
-                g = layer * per_layer + bases[j] + u - runs[j][0]
-                return g, lax.rem(g, stages)
 
             def copy_weight(layer, j, u):
                 ph = phases[j]
@@ -191,7 +238,19 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         plgpu.semaphore_wait(done.at[src_layer * per_layer_tiles + offsets[src_j] + tile],
                                              epoch * pieces(src_j, tile), decrement=False, memory_scope="gpu")
 
-                plgpu.copy_gmem_to_smem(b_refs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+                if not convert:
+                    plgpu.copy_gmem_to_smem(b_refs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+                    return
+                # the phase before's sums (qkv: the layer before's down; layer 0 reads the last layer's, a stand-in)
+                src_j = j - 1 if j else count - 1
+                src_layer = layer if j else jnp.where(layer > 0, layer - 1, layers - 1)
+                width = widths[j]
+                col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
+                for half in range(2):  # (a copy moves at most 256 along a dimension)
+                    at = half * width // 2
+                    plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, width // 2)],
+                                            xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, width // 2)],
+                                            stage_bar.at[slot])
 
             def ahead_of(j):  # the units of phase j whose weights went out before its first activations
                 begin, end = runs[j]
@@ -225,7 +284,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(200 if convert else 232, action="increase")
             rows = pl.ds(pl.multiple_of(wg * qmm_gpu.ROWS, qmm_gpu.ROWS), qmm_gpu.ROWS)
 
             @pl.when(wg == 0)
@@ -324,8 +383,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's weight tile and its activations
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
             plgpu.Barrier(num_arrivals=1),
+            plgpu.SMEM((stages if convert else 1, COLS, 2 * BLOCK_K if convert else 8), jnp.float32),  # staging
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's sums staged (two copies)
         ),
-        grid=(programs,), grid_names=("p",), num_threads=3, thread_name="wg",
+        grid=(programs,), grid_names=("p",), num_threads=4 if convert else 3, thread_name="wg",
     )
     return kernel, phases
 
@@ -352,6 +413,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="output rows reduce-added and zeroed (the batch)")
     ap.add_argument("--trial", default="", help="comma-joined: no-deps, no-store-wait, no-attn (see megakernel)")
     ap.add_argument("--products", default="s8", choices=["s8", "float16"], help="see megakernel")
+    ap.add_argument("--convert", action="store_true", help="activations from the sums, converted (see megakernel)")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -360,14 +422,16 @@ def main() -> None:
                  f"every program resident for the waits; got {args.programs}")
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
-    kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products)
+    kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
+                                args.convert)
     key = jax.random.PRNGKey(0)
     weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
     names = [name for name in ORDER if name != "attn"]
     layer_weights = [weights[names.index(name)] for name in PHASES]
-    baseline = skeleton(shapes, args.layers, args.programs, args.stages)
+    baseline = skeleton(shapes, args.layers, args.programs, min(args.stages, 3))  # (its B of 14336 columns leaves
+    # shared memory for at most 3)
     base_bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for _, k in shapes]
     if jax.default_backend() == "cpu":  # no interpreter for grid-shared semaphores: lower only
         jax.jit(kernel).trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
@@ -389,7 +453,8 @@ def main() -> None:
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
                                                    "session": 27, "seconds_again": mega_again,
-                                                   "trial": args.trial or None, "products": args.products},
+                                                   "trial": args.trial or None, "products": args.products,
+                                                   "convert": args.convert},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
 
