@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
@@ -414,6 +415,8 @@ def main() -> None:
     ap.add_argument("--trial", default="", help="comma-joined: no-deps, no-store-wait, no-attn (see megakernel)")
     ap.add_argument("--products", default="s8", choices=["s8", "float16"], help="see megakernel")
     ap.add_argument("--convert", action="store_true", help="activations from the sums, converted (see megakernel)")
+    ap.add_argument("--probe", default=None, choices=sorted(ring_probes.PROBES),
+                    help="float16 products: the ring step stand-in of benchmarks/ring_probes.py")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -433,14 +436,19 @@ def main() -> None:
     baseline = skeleton(shapes, args.layers, args.programs, min(args.stages, 3))  # (its B of 14336 columns leaves
     # shared memory for at most 3)
     base_bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for _, k in shapes]
+    if args.probe and args.products != "float16":
+        ap.error(f"--probe {args.probe} replaces the float16 ring step: it needs --products float16")
+    mega_fn = jax.jit(kernel)
     if jax.default_backend() == "cpu":  # no interpreter for grid-shared semaphores: lower only
-        jax.jit(kernel).trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
+        with ring_probes.probe(args.probe):
+            mega_fn.trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
     copy = copy_bandwidth_device()
-    mega = device_seconds(jax.jit(kernel), (*weights, kv, *bs, zeros), reps=5)
+    with ring_probes.probe(args.probe):  # (the jit traces on its first call)
+        mega = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
     base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
-    mega_again = device_seconds(jax.jit(kernel), (*weights, kv, *bs, zeros), reps=5)
+    mega_again = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
     product_bytes = sum(w.size for w in weights)
     per_layer = min(mega, mega_again) / args.layers
     step = 32 * per_layer + 0.21e-3
@@ -454,7 +462,7 @@ def main() -> None:
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
                                                    "session": 27, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
-                                                   "convert": args.convert},
+                                                   "convert": args.convert, "probe": args.probe},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
 
