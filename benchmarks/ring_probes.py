@@ -12,9 +12,6 @@ is an upper bound on what a kernel doing that work could reach.
   float32 total. This is the loop of activations split into int8 parts with an exponent per 128 inputs, found
   where they are made instead of by a reduction over a whole row (a kernel of that kind was built and measured in
   session 22, slower per product, and removed: benchmarks/int8_gpu_notes.md).
-- "offset-binary": the real step, its int8 -> float16 conversion without the sign bits' xor (as if the weights
-  were stored with their sign bits flipped: three instructions per two values instead of four). Its products are
-  off by 128 times the activations' sums; its time is what that storage format would give.
 """
 
 from __future__ import annotations
@@ -88,8 +85,7 @@ def s8_products(w_smem, x_smem, tile_bar, free_bar, rows, first, last, slot_of, 
     return lax.fori_loop(first, last, step, zeros) * 0.0
 
 
-PROBES = {"copies": copies_only, "s8": s8_products, "s8chunk": functools.partial(s8_products, by_chunk=True),
-          "offset-binary": None}  # (the real step, its conversion swapped: see probe)
+PROBES = {"copies": copies_only, "s8": s8_products, "s8chunk": functools.partial(s8_products, by_chunk=True)}
 
 
 @contextlib.contextmanager
@@ -101,15 +97,11 @@ def probe(name: str | None):
     from pallas_kernels.quantized_layer import mosaic_gpu as layer_gpu
 
     modules = (qmm_gpu, layer_gpu)  # the layer kernel imports the ring step by name
-    real, real_convert = qmm_gpu.ring_product, qmm_gpu.int8_to_float16
-    if name == "offset-binary":  # the ring step looks the conversion up in its module when it traces
-        qmm_gpu.int8_to_float16 = functools.partial(real_convert, offset_binary=True)
-    else:
-        for module in modules:
-            module.ring_product = PROBES[name] if name else real
+    real = qmm_gpu.ring_product
+    for module in modules:
+        module.ring_product = PROBES[name] if name else real
     try:
         yield
     finally:
-        qmm_gpu.int8_to_float16 = real_convert
         for module in modules:
             module.ring_product = real

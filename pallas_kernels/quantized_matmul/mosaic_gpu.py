@@ -214,14 +214,12 @@ def stream_k_holder(count, units: int, programs: int):
     return lax.div(count * programs + units - 1, units) - 1
 
 
-def int8_to_float16(w: jax.Array, *, offset_binary: bool = False) -> jax.Array:
+def int8_to_float16(w: jax.Array) -> jax.Array:
     """int8 [rows, cols] in the WGMMA register layout -> float16, exactly, two values a 32-bit register: the bytes
     go under a float16 exponent of 1024 (prmt), their sign bits flip (xor: 1024 + v + 128), and one float16x2
     subtraction of 1152 leaves v: two integer instructions and a subtraction per two values, where Mosaic GPU's
     int8 -> bfloat16 takes three and a subtraction (bfloat16's 7-bit mantissa cannot hold a byte, so the sign bit
-    is split off by two ands). Only the register's low 16 bits (the two values) are read. `offset_binary`: the
-    bytes hold v + 128 (sign bits stored flipped), so the xor is left out: a format no checkpoint of ours has, for
-    the "offset-binary" probe of benchmarks/ring_probes.py (what the conversion would gain)."""
+    is split off by two ands). Only the register's low 16 bits (the two values) are read."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
@@ -239,14 +237,13 @@ def int8_to_float16(w: jax.Array, *, offset_binary: bool = False) -> jax.Array:
             if ir.VectorType(reg.type).shape != [2]:
                 raise NotImplementedError(f"int8_to_float16 takes 2 values a register, got {reg.type}")
             pair = mgpu_utils.vector_concat([vector.bitcast(ir.VectorType.get((1,), i16), reg), pad])
-            flip = "mov.b32 s1, s0;" if offset_binary else "xor.b32 s1, s0, 0x00800080;"
-            out = llvm.inline_asm(i32, [pair], f"""{{
+            out = llvm.inline_asm(i32, [pair], """{
                 .reg .b32 s<3>;
                 prmt.b32 s0, $1, 0x64, 0x4140;
-                {flip}
+                xor.b32 s1, s0, 0x00800080;
                 mov.b32 s2, 0x64806480;
                 sub.f16x2 $0, s1, s2;
-                }}""", "=r,r")
+                }""", "=r,r")
             out = llvm.insertelement(word, out, mgpu_utils.c(0, i32))
             registers[idx] = vector.bitcast(ir.VectorType.get((2,), ir.F16Type.get()), out)
         return mgpu.FragmentedArray(_registers=registers, _layout=w.layout, _is_signed=None)
