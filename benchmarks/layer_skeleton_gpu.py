@@ -48,6 +48,26 @@ BLOCK_N, BLOCK_K, COLS = 128, 256, 8  # output rows a tile, inputs a step, B col
 PHASES = ("wo", "w_gate_up", "w_down", "wqkv")  # a layer's products in the order a decode step runs them
 
 
+def s8_sums(w_smem, tile_bar, free_bar, rows, start, stop, slot_of, b_of):
+    """int32 [64, COLS]: the int8 weight rows `rows` of ring steps [start, stop) (step u in slot slot_of(u)) times
+    the int8 B that b_of(slot, u, c) gives for the step's 128 inputs from c ([COLS, 128], read K-major), by int8
+    wgmma straight from shared memory (no conversion); each slot is handed back on free_bar once read."""
+    def accumulate(acc_ref):
+        def step(u, carry):
+            slot = slot_of(u)
+            plgpu.barrier_wait(tile_bar.at[slot])
+            for c in range(0, BLOCK_K, 128):
+                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, pl.ds(c, 128)], b_of(slot, u, c).transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return carry
+
+        lax.fori_loop(start, stop, step, None)
+        return acc_ref[...]
+
+    return pl.run_scoped(accumulate, plgpu.ACC((qmm_gpu.ROWS, COLS), jnp.int32))
+
+
 def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: int, barriers: bool = True,
              reload: bool = True, b_cols: int | None = None, after: bool = False):
     """The kernel: (weights [layers · n, k] int8 and B [8, k] int8 for each of `shapes`) -> an output [8, n]
@@ -142,22 +162,12 @@ def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: 
                             start = jnp.maximum(begin, tile * steps)
                             stop = jnp.minimum(end, (tile + 1) * steps)
 
-                            def accumulate(acc_ref):
-                                def step(u, carry):
-                                    slot = lax.rem(g0 + u - begin, stages)
-                                    plgpu.barrier_wait(tile_bar.at[slot])
-                                    k_at = lax.rem(lax.rem(u, steps) * BLOCK_K, min(k, k_max))
-                                    for c in range(0, BLOCK_K, 128):
-                                        plgpu.wgmma(acc_ref, w_smem.at[slot, rows, pl.ds(c, 128)],
-                                                    b_smem.at[:, pl.ds(k_at + c, 128)].transpose((1, 0)))
-                                    plgpu.wgmma_wait(0)
-                                    plgpu.barrier_arrive(free_bar.at[slot])
-                                    return carry
+                            def b_of(slot, u, c, steps=steps, k=k):
+                                k_at = lax.rem(lax.rem(u, steps) * BLOCK_K, min(k, k_max))
+                                return b_smem.at[:, pl.ds(k_at + c, 128)]
 
-                                lax.fori_loop(start, stop, step, None)
-                                return acc_ref[...]
-
-                            acc = pl.run_scoped(accumulate, plgpu.ACC((qmm_gpu.ROWS, COLS), jnp.int32))
+                            acc = s8_sums(w_smem, tile_bar, free_bar, rows, start, stop,
+                                          lambda u: lax.rem(g0 + u - begin, stages), b_of)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             qmm_gpu.store_transposed(acc.astype(jnp.float32), o_smem.at[wg], interpreted=False)
                             plgpu.commit_smem()

@@ -49,7 +49,7 @@ from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
-from benchmarks.layer_skeleton_gpu import BLOCK_K, BLOCK_N, COLS, PHASES, skeleton  # noqa: E402
+from benchmarks.layer_skeleton_gpu import BLOCK_K, BLOCK_N, COLS, PHASES, s8_sums, skeleton  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
@@ -311,20 +311,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
             plgpu.semaphore_wait(zeroed, epoch * programs, decrement=False, memory_scope="gpu")
 
-            def s8_product(acc_ref, start, stop, g0, begin):
-                def step(u, c):
-                    slot = lax.rem(g0 + u - begin, stages)
-                    plgpu.barrier_wait(tile_bar.at[slot])
-                    for c0 in range(0, BLOCK_K, 128):
-                        plgpu.wgmma(acc_ref, w_smem.at[slot, rows, pl.ds(c0, 128)],
-                                    x_smem.at[slot, :, pl.ds(c0, 128)].transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(free_bar.at[slot])
-                    return c
-
-                lax.fori_loop(start, stop, step, None)
-                return acc_ref[...]
-
             def layer_body(layer, carry):
                 for j, ph in enumerate(phases):
                     begin, end = runs[j]
@@ -341,8 +327,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                                            lambda u: lax.rem(g0 + u - begin, stages),
                                                            interpreted=False)
                             else:
-                                acc = pl.run_scoped(lambda acc_ref: s8_product(acc_ref, start, stop, g0, begin),
-                                                    plgpu.ACC((qmm_gpu.ROWS, COLS), jnp.int32))
+                                acc = s8_sums(w_smem, tile_bar, free_bar, rows, start, stop,
+                                              lambda u: lax.rem(g0 + u - begin, stages),
+                                              lambda slot, u, c: x_smem.at[slot, :, pl.ds(c, 128)])
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             qmm_gpu.store_transposed(acc.astype(jnp.float32), o_smem.at[wg], interpreted=False)
                             plgpu.commit_smem()
