@@ -8,7 +8,10 @@ For each variant (bfloat16, int8) and batch, in one run:
   gaps split by size, kernels per step, and the kernels that take the time, grouped by name
   (`--timeline FILE` writes every kernel's start, duration and name);
 - the bandwidth floor: weight bytes plus the K/V bytes a step reads, over a device copy measured
-  in the same run.
+  in the same run;
+- the kernels' own time beyond the busy time (`overlap`: kernels running at once) and the streams they ran on;
+  with `--compiles N`, all of it for N compiles of each step (identical kernels; the int8 step has moved by up to
+  30 % between such compiles on one H100 while bfloat16 stayed put: benchmarks/int8_gpu_notes.md, session 27).
 
     PYTHONPATH=. python3 benchmarks/decode_profile_gpu.py [--batches 1,64] [--variants bfloat16,int8]
 """
@@ -56,6 +59,7 @@ def device_intervals(path: str, timeline: str | None = None) -> tuple[list[tuple
 
     pd = ProfileData.from_file(path)
     intervals, time_by, count_by, events = [], collections.Counter(), collections.Counter(), []
+    streams = set()
     for plane in pd.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -64,6 +68,7 @@ def device_intervals(path: str, timeline: str | None = None) -> tuple[list[tuple
                 print(f"    (profile line {plane.name} / {line.name}: skipped)")
                 continue
             for e in line.events:
+                streams.add(line.name)
                 intervals.append((int(e.start_ns), int(e.start_ns + e.duration_ns)))
                 if timeline:
                     events.append((int(e.start_ns), int(e.duration_ns), e.name))
@@ -73,6 +78,8 @@ def device_intervals(path: str, timeline: str | None = None) -> tuple[list[tuple
     if timeline:
         with open(timeline, "w") as f:
             f.writelines(json.dumps(e) + "\n" for e in sorted(events))
+    if len(streams) > 1:
+        print(f"    (kernels on {len(streams)} streams: {', '.join(sorted(streams))})")
     return intervals, time_by, count_by
 
 
@@ -119,7 +126,9 @@ def profile_steps(step, weights, state, inp, steps: int, timeline: str | None = 
         return None
     busy, span = busy_ns(intervals)
     large, count, small = gaps_ns(intervals)
+    kernel_time = sum(e - s for s, e in intervals)
     return {"busy_per_step_s": busy / steps / 1e9, "span_per_step_s": span / steps / 1e9,
+            "overlap_per_step_s": (kernel_time - busy) / steps / 1e9,
             "large_gaps_per_step_s": large / steps / 1e9, "large_gaps": count,
             "small_gaps_per_step_s": small / steps / 1e9, "kernels_per_step": len(intervals) / steps,
             "top": [(n, t / steps / 1e3, count_by[n] / steps) for n, t in time_by.most_common(24)]}
@@ -154,6 +163,7 @@ def main() -> None:
                          "H100), 200 is the steady state of a 200-token generation")
     ap.add_argument("--timeline", default=None, help="write every profiled kernel (start, duration, name) to this file")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quicker look)")
+    ap.add_argument("--compiles", type=int, default=1, help="compile and profile each step this many times")
     ap.add_argument("--out", default="benchmarks/results/decode_profile_gpu.jsonl")
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
@@ -175,23 +185,27 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             floor = step_bytes(cfg, weights, batch, args.context, jnp.dtype(kv_dtype).itemsize) / copy_bw
             steps = tuple(int(n) for n in args.steps.split(","))
-            for n, (wall, prof) in run_variant(cfg, weights, batch, args.context, steps, args.timeline,
-                                                     kv_dtype).items():
+            for compiled, n, (wall, prof) in [(c, n, r) for c in range(args.compiles) for n, r in run_variant(
+                    cfg, weights, batch, args.context, steps, args.timeline, kv_dtype).items()]:
                 model = "8B-shaped Llama, random weights" if not args.smoke else "smoke"
                 config = {"model": model + (f", {cfg.num_layers} layers" if args.layers else ""), "variant": name,
                           "weights": "int8" if name == "int8" else "bfloat16",
                           "kv_dtype": jnp.dtype(kv_dtype).name, "batch": batch, "context": args.context, "steps": n}
+                if args.compiles > 1:
+                    config["compile"] = compiled
                 record(out, "decode_step_vs_floor", config, "seconds_per_step", wall, "s", "bandwidth_floor", floor,
                        higher_is_better=False)
                 line = (f"{name:9s} b{batch:<4d} {n:4d} steps {wall * 1e3:7.3f} ms/step  floor {floor * 1e3:6.3f} ms ="
-                        f" {floor / wall:5.1%}")
+                        f" {floor / wall:5.1%}" + (f"  (compile {compiled})" if args.compiles > 1 else ""))
                 if prof:
                     record(out, "decode_device_busy", config, "busy_fraction", prof["busy_per_step_s"] / wall,
                            "fraction")
+                    record(out, "decode_kernel_overlap", config, "overlap_per_step", prof["overlap_per_step_s"], "s")
                     line += (f"  busy {prof['busy_per_step_s'] * 1e3:.3f} ms ({prof['busy_per_step_s'] / wall:.1%})"
                              f"  {prof['kernels_per_step']:.0f} kernels/step; idle gaps >= 10 us:"
                              f" {prof['large_gaps_per_step_s'] * 1e6:.1f} us/step ({prof['large_gaps']}),"
-                             f" smaller: {prof['small_gaps_per_step_s'] * 1e6:.1f} us/step")
+                             f" smaller: {prof['small_gaps_per_step_s'] * 1e6:.1f} us/step;"
+                             f" overlap {prof['overlap_per_step_s'] * 1e6:.1f} us/step")
                     print(line)
                     for n, us, c in prof["top"]:
                         print(f"    {us:9.1f} us  x{c:5.1f}  {n}")
