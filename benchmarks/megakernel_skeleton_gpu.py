@@ -47,17 +47,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
 from benchmarks.layer_skeleton_gpu import BLOCK_K, BLOCK_N, COLS, PHASES, s8_sums, skeleton  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms  # noqa: E402
+from pallas_kernels.quantized_layer.mosaic_gpu import _load_t  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
+PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,6 @@ class Phase:
     @property
     def units(self) -> int:
         return self.tiles * self.steps
-
-
-def _load_t(ref) -> jax.Array:
-    """A [rows, 64] float32 tile in shared memory -> [64, rows] in the WGMMA layout."""
-    v = plgpu.load(plgpu.transpose_ref(ref, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
-    return plgpu.layout_cast(v, plgpu.Layout.WGMMA)
 
 
 def plan(cfg, programs: int) -> tuple[Phase, ...]:
@@ -164,8 +159,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             bases.append(base)
             base = base + end - begin
         per_layer = base  # ring steps of one layer, for this program
-        weight_of = dict(zip([n for n in ORDER if n != "attn"], w_refs))
-        widths = [2 * BLOCK_K if ph.name == "w_down" else BLOCK_K for ph in phases]
+        weight_of = dict(zip(PRODUCTS, w_refs))
 
         def position(layer, j, u):  # (ring step, slot) of phase j's unit u
             g = layer * per_layer + bases[j] + u - runs[j][0]
@@ -247,7 +241,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 # the phase before's sums (qkv: the layer before's down; layer 0 reads the last layer's, a stand-in)
                 src_j = j - 1 if j else count - 1
                 src_layer = layer if j else jnp.where(layer > 0, layer - 1, layers - 1)
-                width = widths[j]
+                width = 2 * BLOCK_K if ph.name == "w_down" else BLOCK_K  # down: its inputs' gate and up sums
                 col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
                 for half in range(2):  # (a copy moves at most 256 along a dimension)
                     at = half * width // 2
@@ -384,7 +378,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 def inputs(cfg, layers: int, phases, key, products: str = "s8"):
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
-                                  jnp.int32).astype(jnp.int8) for name in ORDER if name != "attn"]
+                                  jnp.int32).astype(jnp.int8) for name in PRODUCTS]
     attn = phases[ORDER.index("attn")]
     kv = jax.random.randint(key, (layers * cfg.num_kv_heads * attn.steps * BLOCK_N, BLOCK_K), -127, 128,
                             jnp.int32).astype(jnp.int8)
@@ -404,8 +398,6 @@ def main() -> None:
     ap.add_argument("--trial", default="", help="comma-joined: no-deps, no-store-wait, no-attn (see megakernel)")
     ap.add_argument("--products", default="s8", choices=["s8", "float16"], help="see megakernel")
     ap.add_argument("--convert", action="store_true", help="activations from the sums, converted (see megakernel)")
-    ap.add_argument("--probe", default=None, choices=sorted(ring_probes.PROBES),
-                    help="float16 products: the ring step stand-in of benchmarks/ring_probes.py")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -420,22 +412,17 @@ def main() -> None:
     weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
-    names = [name for name in ORDER if name != "attn"]
-    layer_weights = [weights[names.index(name)] for name in PHASES]
+    layer_weights = [weights[PRODUCTS.index(name)] for name in PHASES]
     baseline = skeleton(shapes, args.layers, args.programs, min(args.stages, 3))  # (its B of 14336 columns leaves
     # shared memory for at most 3)
     base_bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for _, k in shapes]
-    if args.probe and args.products != "float16":
-        ap.error(f"--probe {args.probe} replaces the float16 ring step: it needs --products float16")
     mega_fn = jax.jit(kernel)
     if jax.default_backend() == "cpu":  # no interpreter for grid-shared semaphores: lower only
-        with ring_probes.probe(args.probe):
-            mega_fn.trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
+        mega_fn.trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
     copy = copy_bandwidth_device()
-    with ring_probes.probe(args.probe):  # (the jit traces on its first call)
-        mega = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
+    mega = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
     base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
     mega_again = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
     product_bytes = sum(w.size for w in weights)
@@ -451,7 +438,7 @@ def main() -> None:
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
                                                    "session": 27, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
-                                                   "convert": args.convert, "probe": args.probe},
+                                                   "convert": args.convert},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
 
