@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -58,6 +59,7 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
+TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 
 
@@ -91,20 +93,37 @@ def plan(cfg, programs: int) -> tuple[Phase, ...]:
 
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
-               products: str = "s8", convert: bool = False):
+               products: str = "s8", convert: bool = False, prefetch: int = 0):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
     for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for its reduce-add to
-    land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead). `products`: "s8" (int8
+    land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead); "stale-deps" polls the
+    same counts for what the call before reached (the polls' cost without the waiting). Right outputs, other ways to
+    wait: "poll-all" reads a unit's counts at once (again until all are reached) instead of one wait after another;
+    "x-warpgroup" moves the activations' waits and copies to a fourth warpgroup, so the weights' copies never wait
+    on them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads
+    instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies).
+    `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert` (float16 only): a unit's activations are
     no stand-in but the phase before's float32 sums, copied (the program's rows) into a staging ring and converted
     to float16 (times X_SHIFT; SiLU(gate)·up for down, from the interleaved gate_up sums) by a fourth warpgroup
-    into the activation ring, as the real kernel must (its gains and 1/rms are a multiply more)."""
+    into the activation ring, as the real kernel must (its gains and 1/rms are a multiply more). `prefetch` D > 0:
+    each weight copy also asks for the weights of the ring step D later into L2 (a TMA prefetch), so HBM keeps
+    streaming while a boundary's waits hold the ring."""
     if convert and products != "float16":
         raise ValueError(f"convert needs float16 products, got products={products!r}")
     trials = set(filter(None, trial.split(",")))
+    unknown = trials - set(TRIALS)
+    if unknown:
+        raise ValueError(f"unknown trials {sorted(unknown)}; known: {', '.join(TRIALS)}")
+    x_warpgroup = "x-warpgroup" in trials
+    x_load = "x-load" in trials
+    if x_load and not convert:
+        raise ValueError("x-load is for --convert (the converter loads the sums)")
+    if convert and x_warpgroup:
+        raise ValueError("x-warpgroup is for products without --convert (the converter is the fourth warpgroup)")
     phases = plan(cfg, programs)
     if "no-attn" in trials:
         phases = tuple(ph for ph in phases if ph.name != "attn")
@@ -165,6 +184,53 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             g = layer * per_layer + bases[j] + u - runs[j][0]
             return g, lax.rem(g, stages)
 
+        def inputs_of(layer, j, u):  # (phase, layer, first column, columns) of the sums phase j's unit u reads
+            ph = phases[j]
+            k_at = lax.rem(u, ph.steps) * BLOCK_K if ph.stream_k else 0
+            # the phase before's sums (qkv: the layer before's down; layer 0 reads the last layer's, a stand-in)
+            src_j = j - 1 if j else count - 1
+            src_layer = layer if j else jnp.where(layer > 0, layer - 1, layers - 1)
+            width = 2 * BLOCK_K if ph.name == "w_down" else BLOCK_K  # down: its inputs' gate and up sums
+            col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
+            return src_j, src_layer, col, width
+
+        def wait_inputs(layer, j, u):  # until every piece of the tiles holding unit u's inputs is counted
+            ph = phases[j]
+            begin = runs[j][0]
+            k_at = lax.rem(u, ph.steps) * BLOCK_K if ph.stream_k else 0
+            first_sight = (u - begin < ph.steps) if ph.stream_k else (u == begin)
+
+            @pl.when(first_sight & ((layer > 0) | (j > 0)) & ("no-deps" not in trials))
+            def _():
+                src_layer = layer - 1 if j == 0 else layer
+                wanted = epoch - 1 if "stale-deps" in trials else epoch  # stale: counts reached last call
+                waits = [(done.at[src_layer * per_layer_tiles + offsets[src_j] + tile], wanted * pieces(src_j, tile))
+                         for src_j, tile in sources(j, p, k_at)]
+                if "poll-all" in trials:  # every count read at once, again until all are reached
+                    def short(_):
+                        return functools.reduce(jnp.logical_or, [pl.semaphore_read(s) < n for s, n in waits])
+
+                    lax.while_loop(lambda c: c, short, jnp.bool_(True))
+                    return
+                for s, n in waits:
+                    plgpu.semaphore_wait(s, n, decrement=False, memory_scope="gpu")
+
+        def copy_x(layer, j, u):
+            if x_load:  # the converter waits and loads
+                return
+            wait_inputs(layer, j, u)
+            _, slot = position(layer, j, u)
+            if not convert:
+                k_at = lax.rem(u, phases[j].steps) * BLOCK_K if phases[j].stream_k else 0
+                plgpu.copy_gmem_to_smem(b_refs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+                return
+            src_j, src_layer, col, width = inputs_of(layer, j, u)
+            for half in range(2):  # (a copy moves at most 256 along a dimension)
+                at = half * width // 2
+                plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, width // 2)],
+                                        xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, width // 2)],
+                                        stage_bar.at[slot])
+
         @pl.when(wg == 3)
         def _converter():
             if not convert:
@@ -178,15 +244,27 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
-                plgpu.barrier_wait(stage_bar.at[slot])
+                if x_load:  # the sums by this warpgroup's own (coalesced) loads, a row at a time, into the staging
+                    wait_inputs(layer, j, u)
+                    src_j, src_layer, col, width = inputs_of(layer, j, u)
+                    for r in range(out_rows):
+                        row = plgpu.load(o_refs[src_j].at[src_layer, r, pl.ds(col, width)], (),
+                                         layout=plgpu.Layout.WG_STRIDED((width,), vec_size=width // 128))
+                        xs_smem.at[slot, r, pl.ds(0, width)][...] = row
+                    plgpu.commit_smem()  # (a warpgroup barrier: every thread's row before any reads them)
+                else:
+                    plgpu.barrier_wait(stage_bar.at[slot])
+
+                def sums(at):
+                    return xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)]
                 for c in range(BLOCK_K // qmm_gpu.ROWS):
                     if phases[j].name == "w_down":  # gate and up interleaved by 128 channels
                         at = c // 2 * 2 * BLOCK_N + c % 2 * qmm_gpu.ROWS
-                        gate = _load_t(xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)])
-                        up = _load_t(xs_smem.at[slot, :, pl.ds(at + BLOCK_N, qmm_gpu.ROWS)])
+                        gate = _load_t(sums(at))
+                        up = _load_t(sums(at + BLOCK_N))
                         v = gate / (1.0 + jnp.exp(-gate)) * up
                     else:
-                        v = _load_t(xs_smem.at[slot, :, pl.ds(c * qmm_gpu.ROWS, qmm_gpu.ROWS)])
+                        v = _load_t(sums(c * qmm_gpu.ROWS))
                     qmm_gpu.store_transposed(v * qmm_gpu.X_SHIFT, x_smem.at[slot, :, pl.ds(c * qmm_gpu.ROWS,
                                                                                           qmm_gpu.ROWS)],
                                              interpreted=False)
@@ -204,50 +282,34 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def copy_weight(layer, j, u):
+            def weight_src(layer, j, u):  # phase j's unit u's weights (attention: its K or V) in global memory
                 ph = phases[j]
+                if ph.stream_k:
+                    return weight_of[ph.name].at[pl.ds(layer * ph.n + lax.div(u, ph.steps) * BLOCK_N, BLOCK_N),
+                                                 pl.ds(lax.rem(u, ph.steps) * BLOCK_K, BLOCK_K)]
+                kv_head = lax.div(p, group)
+                return kv_ref.at[pl.ds(((layer * cfg.num_kv_heads + kv_head) * ph.steps + lax.rem(u, ph.steps))
+                                       * BLOCK_N, BLOCK_N)]
+
+            def prefetch_step(g):  # the weights of this program's ring step g (if in this call) into L2
+                layer, r = lax.div(g, per_layer), lax.rem(g, per_layer)
+                for jj in range(count):
+                    lo, hi = bases[jj], bases[jj] + runs[jj][1] - runs[jj][0]
+
+                    @pl.when((layer < layers) & (r >= lo) & (r < hi))
+                    def _(jj=jj, lo=lo):
+                        plgpu.async_prefetch(weight_src(layer, jj, runs[jj][0] + r - lo))
+
+            def copy_weight(layer, j, u):
                 g, slot = position(layer, j, u)
 
                 @pl.when(g >= stages)
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
-                if ph.stream_k:
-                    src = weight_of[ph.name].at[pl.ds(layer * ph.n + lax.div(u, ph.steps) * BLOCK_N, BLOCK_N),
-                                                pl.ds(lax.rem(u, ph.steps) * BLOCK_K, BLOCK_K)]
-                else:
-                    kv_head = lax.div(p, group)
-                    src = kv_ref.at[pl.ds(((layer * cfg.num_kv_heads + kv_head) * ph.steps + lax.rem(u, ph.steps))
-                                          * BLOCK_N, BLOCK_N)]
-                plgpu.copy_gmem_to_smem(src, w_smem.at[slot], tile_bar.at[slot])
-
-            def copy_x(layer, j, u):
-                ph = phases[j]
-                begin = runs[j][0]
-                _, slot = position(layer, j, u)
-                k_at = lax.rem(u, ph.steps) * BLOCK_K if ph.stream_k else 0
-                first_sight = (u - begin < ph.steps) if ph.stream_k else (u == begin)
-
-                @pl.when(first_sight & ((layer > 0) | (j > 0)) & ("no-deps" not in trials))
-                def _():
-                    for src_j, tile in sources(j, p, k_at):
-                        src_layer = layer - 1 if j == 0 else layer
-                        plgpu.semaphore_wait(done.at[src_layer * per_layer_tiles + offsets[src_j] + tile],
-                                             epoch * pieces(src_j, tile), decrement=False, memory_scope="gpu")
-
-                if not convert:
-                    plgpu.copy_gmem_to_smem(b_refs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
-                    return
-                # the phase before's sums (qkv: the layer before's down; layer 0 reads the last layer's, a stand-in)
-                src_j = j - 1 if j else count - 1
-                src_layer = layer if j else jnp.where(layer > 0, layer - 1, layers - 1)
-                width = 2 * BLOCK_K if ph.name == "w_down" else BLOCK_K  # down: its inputs' gate and up sums
-                col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
-                for half in range(2):  # (a copy moves at most 256 along a dimension)
-                    at = half * width // 2
-                    plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, width // 2)],
-                                            xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, width // 2)],
-                                            stage_bar.at[slot])
+                plgpu.copy_gmem_to_smem(weight_src(layer, j, u), w_smem.at[slot], tile_bar.at[slot])
+                if prefetch:
+                    prefetch_step(g + prefetch)
 
             def ahead_of(j):  # the units of phase j whose weights went out before its first activations
                 begin, end = runs[j]
@@ -261,11 +323,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             def layer_body(layer, carry):
                 for j in range(count):
                     begin, end = runs[j]
-                    lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: (copy_x(layer, j, u), c)[1], None)
+                    if not x_warpgroup:
+                        lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: (copy_x(layer, j, u), c)[1], None)
 
                     def step(u, c, j=j):
                         copy_weight(layer, j, u)
-                        copy_x(layer, j, u)
+                        if not x_warpgroup:
+                            copy_x(layer, j, u)
                         return c
 
                     lax.fori_loop(ahead_of(j), end, step, None)
@@ -279,9 +343,29 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             total = layers * per_layer
             qmm_gpu.drain(free_bar, stages, jnp.maximum(total - stages, 0), total)
 
+        @pl.when((wg == 3) & x_warpgroup)
+        def _activations():  # x-warpgroup: the activations' waits and copies, apart from the weights'
+            plgpu.set_max_registers(40, action="decrease")
+
+            def unit(layer, j, u):
+                g, slot = position(layer, j, u)
+
+                @pl.when(g >= stages)  # the compute warpgroups are done with the slot's activations
+                def _():
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                copy_x(layer, j, u)
+
+            def layer_body(layer, carry):
+                for j in range(count):
+                    lax.fori_loop(runs[j][0], runs[j][1], lambda u, c, j=j: (unit(layer, j, u), c)[1], None)
+                return carry
+
+            lax.fori_loop(0, layers, layer_body, None)
+
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(200 if convert else 232, action="increase")
+            plgpu.set_max_registers(200 if convert or x_warpgroup else 232, action="increase")
             rows = pl.ds(pl.multiple_of(wg * qmm_gpu.ROWS, qmm_gpu.ROWS), qmm_gpu.ROWS)
 
             @pl.when(wg == 0)
@@ -370,7 +454,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((stages if convert else 1, COLS, 2 * BLOCK_K if convert else 8), jnp.float32),  # staging
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's sums staged (two copies)
         ),
-        grid=(programs,), grid_names=("p",), num_threads=4 if convert else 3, thread_name="wg",
+        grid=(programs,), grid_names=("p",), num_threads=4 if convert or x_warpgroup else 3, thread_name="wg",
     )
     return kernel, phases
 
@@ -398,6 +482,7 @@ def main() -> None:
     ap.add_argument("--trial", default="", help="comma-joined: no-deps, no-store-wait, no-attn (see megakernel)")
     ap.add_argument("--products", default="s8", choices=["s8", "float16"], help="see megakernel")
     ap.add_argument("--convert", action="store_true", help="activations from the sums, converted (see megakernel)")
+    ap.add_argument("--prefetch", type=int, default=0, help="ring steps ahead to prefetch weights into L2 (0: none)")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -407,7 +492,7 @@ def main() -> None:
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
-                                args.convert)
+                                args.convert, args.prefetch)
     key = jax.random.PRNGKey(0)
     weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
     products = layer_products(cfg)
@@ -433,12 +518,14 @@ def main() -> None:
             f" of the copy); session 22's skeleton {base * 1e6:.1f} us ({base / args.layers * 1e6:.1f} a layer, no "
             f"attention); a 32-layer step at this rate ~{step * 1e3:.2f} ms, ~{5.9e-3 / step:.2f}x bfloat16's ~5.9 ms "
             f"before numerics; copy {copy / 1e9:.0f} GB/s")
-    print(line, flush=True)
+    label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} prefetch={args.prefetch} "
+             f"trial={args.trial or '-'}")
+    print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
-                                                   "session": 27, "seconds_again": mega_again,
+                                                   "session": 28, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
-                                                   "convert": args.convert},
+                                                   "convert": args.convert, "prefetch": args.prefetch},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
 
