@@ -72,28 +72,48 @@ class Phase:
     steps: int  # units a tile
     fragments: int  # the most tiles a program's run touches
     stream_k: bool  # False: attention, a head a program
+    out: int = 0  # the layer's phase (in its order) whose output this block writes: a phase is split in blocks
+    tile0: int = 0  # the block's first tile and first step of 256 inputs in its phase
+    step0: int = 0
+    rotate: int = 0  # program p takes the stream-K run of program (p + rotate) mod programs: each block of a phase
+    # turns its runs so that a program's longer runs in one block are evened out by shorter ones in the others
 
     @property
     def units(self) -> int:
         return self.tiles * self.steps
 
 
-def plan(cfg, programs: int) -> tuple[Phase, ...]:
+def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
+    """The blocks of a layer in the order the programs take them: attention as one; a product in split · split
+    blocks of (tiles / split, inputs / split), tile groups outer, each block stream-K over every program, so that the
+    first tile groups of a phase are done while its last are still running, and the next phase, taking its inputs
+    in the same order, starts on them without waiting for the phase's end."""
     products = layer_products(cfg)
     phases = []
-    for name in ORDER:
+    for out, name in enumerate(names):
         if name == "attn":  # a head's K and V (bfloat16) as units of [128, 256] bytes
             steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
-            phases.append(Phase(name, cfg.num_heads * cfg.head_dim, BLOCK_K, cfg.num_heads, steps, 1, False))
-        else:
-            n, k = products[name]
-            tiles, steps = n // BLOCK_N, k // BLOCK_K
-            phases.append(Phase(name, n, k, tiles, steps, qmm_gpu.stream_k_plan(steps, tiles, programs)[1], True))
+            phases.append(Phase(name, cfg.num_heads * cfg.head_dim, BLOCK_K, cfg.num_heads, steps, 1, False, out))
+            continue
+        n, k = products[name]
+        tiles, steps = n // BLOCK_N, k // BLOCK_K
+        if tiles % split or steps % split:
+            raise ValueError(f"split={split} must divide {name}'s {tiles} tiles and {steps} steps of {BLOCK_K} inputs")
+        t, s = tiles // split, steps // split
+        runs = [(v + 1) * t * s // programs - v * t * s // programs for v in range(programs)]  # a block's, by program
+        totals = [0] * programs  # of the phase so far, by program
+        for a in range(split):
+            for b in range(split):  # the turn that keeps the phase's longest total shortest
+                turn = min(range(programs), key=lambda r: max(totals[p] + runs[(p + r) % programs]
+                                                              for p in range(programs)))
+                totals = [totals[p] + runs[(p + turn) % programs] for p in range(programs)]
+                phases.append(Phase(name, n, k, t, s, qmm_gpu.stream_k_plan(s, t, programs)[1], True, out, a * t,
+                                    b * s, turn))
     return tuple(phases)
 
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
-               products: str = "s8", convert: bool = False, prefetch: int = 0):
+               products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
@@ -101,8 +121,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead); "stale-deps" polls the
     same counts for what the call before reached (the polls' cost without the waiting). Right outputs, other ways to
     wait: "poll-all" reads a unit's counts at once (again until all are reached) instead of one wait after another;
-    "x-warpgroup" moves the activations' waits and copies to a fourth warpgroup, so the weights' copies never wait
-    on them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads
+    "x-warpgroup" moves the activations' waits and copies to a warpgroup of their own, so the weights' copies never
+    wait on them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads
     instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
@@ -111,7 +131,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     to float16 (times X_SHIFT; SiLU(gate)·up for down, from the interleaved gate_up sums) by a fourth warpgroup
     into the activation ring, as the real kernel must (its gains and 1/rms are a multiply more). `prefetch` D > 0:
     each weight copy also asks for the weights of the ring step D later into L2 (a TMA prefetch), so HBM keeps
-    streaming while a boundary's waits hold the ring."""
+    streaming while a boundary's waits hold the ring. `split` S > 1: each product in S · S blocks (see plan)."""
     if convert and products != "float16":
         raise ValueError(f"convert needs float16 products, got products={products!r}")
     trials = set(filter(None, trial.split(",")))
@@ -122,46 +142,61 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     x_load = "x-load" in trials
     if x_load and not convert:
         raise ValueError("x-load is for --convert (the converter loads the sums)")
-    if convert and x_warpgroup:
-        raise ValueError("x-warpgroup is for products without --convert (the converter is the fourth warpgroup)")
-    phases = plan(cfg, programs)
-    if "no-attn" in trials:
-        phases = tuple(ph for ph in phases if ph.name != "attn")
+    x_wg = 4 if convert else 3  # the activations' warpgroup, after the converter if there is one
+    warpgroups = 3 + convert + x_warpgroup
+    compute_registers = {3: 232, 4: 200, 5: 176}[warpgroups]  # what the others leave of 512 a thread of four
+    names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
+    phases = plan(cfg, programs, split, names)
     group = cfg.num_heads // cfg.num_kv_heads
     q_tiles, kv_tiles = cfg.num_heads * cfg.head_dim // BLOCK_N, cfg.num_kv_heads * cfg.head_dim // BLOCK_N
-    offsets = [sum(ph.tiles for ph in phases[:j]) for j in range(len(phases))]
-    per_layer_tiles = offsets[-1] + phases[-1].tiles
-    count = len(phases)
+    widths = [next(ph.n for ph in phases if ph.out == out) for out in range(len(names))]  # each phase's outputs
+    tiles_of = [cfg.num_heads if name == "attn" else w // BLOCK_N for name, w in zip(names, widths)]
+    offsets = [sum(tiles_of[:out]) for out in range(len(names))]  # of each phase's tiles in a layer's counts
+    per_layer_tiles = sum(tiles_of)
+    count, last = len(phases), len(names) - 1  # blocks; the last phase
 
     def run_of(j, p):
         ph = phases[j]
         if ph.stream_k:
-            return lax.div(p * ph.units, programs), lax.div((p + 1) * ph.units, programs)
+            v = lax.rem(p + ph.rotate, programs)
+            return lax.div(v * ph.units, programs), lax.div((v + 1) * ph.units, programs)
         return jnp.minimum(p, ph.tiles) * ph.steps, jnp.minimum(p + 1, ph.tiles) * ph.steps
 
-    def pieces(j, tile):  # the signals that complete tile of phase j: two warpgroups of each program holding a piece
-        ph = phases[j]
-        if not ph.stream_k:
-            return 2
-        first = qmm_gpu.stream_k_holder(tile * ph.steps + 1, ph.units, programs)
-        last = qmm_gpu.stream_k_holder((tile + 1) * ph.steps, ph.units, programs)
-        return 2 * (last - first + 1)
+    def pieces(out, tile):  # the signals that complete a tile of phase out: two warpgroups a program holding a piece
+        total = 0
+        for ph in phases:
+            if ph.out != out:
+                continue
+            if not ph.stream_k:
+                return 2
+            t = jnp.clip(tile - ph.tile0, 0, ph.tiles - 1)  # in the block, if it is one of the block's tiles
+            first = qmm_gpu.stream_k_holder(t * ph.steps + 1, ph.units, programs)
+            held = qmm_gpu.stream_k_holder((t + 1) * ph.steps, ph.units, programs) - first + 1
+            if ph.units <= programs:  # a unit a program at most, and some programs none (the range would count them)
+                held = ph.steps
+            total = total + jnp.where((tile >= ph.tile0) & (tile < ph.tile0 + ph.tiles), 2 * held, 0)
+        return total
 
-    def sources(j, p, k_at):  # (phase, tile) whose pieces a unit of phase j with inputs at k_at waits for
-        name = phases[j].name
+    def sources(j, p, k_at):  # (phase, tile) whose pieces a unit of block j with inputs at k_at waits for
+        name, out = phases[j].name, phases[j].out
         if name == "wqkv":  # the down tiles of the layer before
-            return [(count - 1, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
+            return [(last, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
         if name == "attn":  # head p: its q tile, its kv head's k and v tiles
-            return [(j - 1, p), (j - 1, q_tiles + lax.div(p, group)), (j - 1, q_tiles + kv_tiles + lax.div(p, group))]
+            return [(out - 1, p), (out - 1, q_tiles + lax.div(p, group)),
+                    (out - 1, q_tiles + kv_tiles + lax.div(p, group))]
         if name == "w_down":  # gate and up of its channels, interleaved by 128
-            return [(j - 1, 2 * lax.div(k_at, BLOCK_N) + i) for i in range(2 * BLOCK_K // BLOCK_N)]
-        return [(j - 1, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
+            return [(out - 1, 2 * lax.div(k_at, BLOCK_N) + i) for i in range(2 * BLOCK_K // BLOCK_N)]
+        return [(out - 1, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
+
+    def k_of(j, u):  # the first input of block j's unit u
+        ph = phases[j]
+        return (ph.step0 + lax.rem(u, ph.steps)) * BLOCK_K if ph.stream_k else 0
 
     def body(*refs):
         w_refs, kv_ref = refs[:4], refs[4]
-        b_refs, z_ref = refs[5:5 + count], refs[5 + count]
-        o_refs = refs[6 + count:6 + 2 * count]
-        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar = refs[6 + 2 * count:]
+        b_refs, z_ref = refs[5:6 + last], refs[6 + last]
+        o_refs = refs[7 + last:8 + 2 * last]
+        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar = refs[8 + 2 * last:]
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
         # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
@@ -184,12 +219,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             g = layer * per_layer + bases[j] + u - runs[j][0]
             return g, lax.rem(g, stages)
 
-        def inputs_of(layer, j, u):  # (phase, layer, first column, columns) of the sums phase j's unit u reads
+        def inputs_of(layer, j, u):  # (phase, layer, first column, columns) of the sums block j's unit u reads
             ph = phases[j]
-            k_at = lax.rem(u, ph.steps) * BLOCK_K if ph.stream_k else 0
+            k_at = k_of(j, u)
             # the phase before's sums (qkv: the layer before's down; layer 0 reads the last layer's, a stand-in)
-            src_j = j - 1 if j else count - 1
-            src_layer = layer if j else jnp.where(layer > 0, layer - 1, layers - 1)
+            src_j = ph.out - 1 if ph.out else last
+            src_layer = layer if ph.out else jnp.where(layer > 0, layer - 1, layers - 1)
             width = 2 * BLOCK_K if ph.name == "w_down" else BLOCK_K  # down: its inputs' gate and up sums
             col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
             return src_j, src_layer, col, width
@@ -197,12 +232,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         def wait_inputs(layer, j, u):  # until every piece of the tiles holding unit u's inputs is counted
             ph = phases[j]
             begin = runs[j][0]
-            k_at = lax.rem(u, ph.steps) * BLOCK_K if ph.stream_k else 0
+            k_at = k_of(j, u)
             first_sight = (u - begin < ph.steps) if ph.stream_k else (u == begin)
 
-            @pl.when(first_sight & ((layer > 0) | (j > 0)) & ("no-deps" not in trials))
+            @pl.when(first_sight & ((layer > 0) | (ph.out > 0)) & ("no-deps" not in trials))
             def _():
-                src_layer = layer - 1 if j == 0 else layer
+                src_layer = layer - 1 if ph.out == 0 else layer
                 wanted = epoch - 1 if "stale-deps" in trials else epoch  # stale: counts reached last call
                 waits = [(done.at[src_layer * per_layer_tiles + offsets[src_j] + tile], wanted * pieces(src_j, tile))
                          for src_j, tile in sources(j, p, k_at)]
@@ -221,8 +256,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             wait_inputs(layer, j, u)
             _, slot = position(layer, j, u)
             if not convert:
-                k_at = lax.rem(u, phases[j].steps) * BLOCK_K if phases[j].stream_k else 0
-                plgpu.copy_gmem_to_smem(b_refs[j].at[:, pl.ds(k_at, BLOCK_K)], x_smem.at[slot], tile_bar.at[slot])
+                plgpu.copy_gmem_to_smem(b_refs[phases[j].out].at[:, pl.ds(k_of(j, u), BLOCK_K)], x_smem.at[slot],
+                                        tile_bar.at[slot])
                 return
             src_j, src_layer, col, width = inputs_of(layer, j, u)
             for half in range(2):  # (a copy moves at most 256 along a dimension)
@@ -285,8 +320,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             def weight_src(layer, j, u):  # phase j's unit u's weights (attention: its K or V) in global memory
                 ph = phases[j]
                 if ph.stream_k:
-                    return weight_of[ph.name].at[pl.ds(layer * ph.n + lax.div(u, ph.steps) * BLOCK_N, BLOCK_N),
-                                                 pl.ds(lax.rem(u, ph.steps) * BLOCK_K, BLOCK_K)]
+                    return weight_of[ph.name].at[pl.ds(layer * ph.n + (ph.tile0 + lax.div(u, ph.steps)) * BLOCK_N,
+                                                       BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)]
                 kv_head = lax.div(p, group)
                 return kv_ref.at[pl.ds(((layer * cfg.num_kv_heads + kv_head) * ph.steps + lax.rem(u, ph.steps))
                                        * BLOCK_N, BLOCK_N)]
@@ -343,7 +378,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             total = layers * per_layer
             qmm_gpu.drain(free_bar, stages, jnp.maximum(total - stages, 0), total)
 
-        @pl.when((wg == 3) & x_warpgroup)
+        @pl.when((wg == x_wg) & x_warpgroup)
         def _activations():  # x-warpgroup: the activations' waits and copies, apart from the weights'
             plgpu.set_max_registers(40, action="decrease")
 
@@ -365,24 +400,24 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(200 if convert or x_warpgroup else 232, action="increase")
+            plgpu.set_max_registers(compute_registers, action="increase")
             rows = pl.ds(pl.multiple_of(wg * qmm_gpu.ROWS, qmm_gpu.ROWS), qmm_gpu.ROWS)
 
             @pl.when(wg == 0)
             def _zero():  # this program's share of every reduce-added output, then counted
                 plgpu.copy_gmem_to_smem(z_ref, z_smem, z_bar)
                 plgpu.barrier_wait(z_bar)
-                for j, ph in enumerate(phases):
-                    if not ph.stream_k:
+                for out, (name, n) in enumerate(zip(names, widths)):
+                    if name == "attn":
                         continue
-                    chunks = layers * (ph.n // qmm_gpu.ROWS)
+                    chunks = layers * (n // qmm_gpu.ROWS)
 
-                    def zero(i, c, j=j, ph=ph):
+                    def zero(i, c, out=out, n=n):
                         chunk = p + i * programs
-                        col = pl.ds(lax.rem(chunk, ph.n // qmm_gpu.ROWS) * qmm_gpu.ROWS, qmm_gpu.ROWS)
+                        col = pl.ds(lax.rem(chunk, n // qmm_gpu.ROWS) * qmm_gpu.ROWS, qmm_gpu.ROWS)
                         plgpu.copy_smem_to_gmem(z_smem.at[pl.ds(0, out_rows)],
-                                                o_refs[j].at[lax.div(chunk, ph.n // qmm_gpu.ROWS),
-                                                             pl.ds(0, out_rows), col])
+                                                o_refs[out].at[lax.div(chunk, n // qmm_gpu.ROWS),
+                                                               pl.ds(0, out_rows), col])
                         return c
 
                     lax.fori_loop(0, lax.div(chunks - p + programs - 1, programs), zero, None)
@@ -413,13 +448,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             qmm_gpu.store_transposed(acc.astype(jnp.float32), o_smem.at[wg], interpreted=False)
                             plgpu.commit_smem()
-                            cols = pl.ds(tile * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
+                            cols = pl.ds((ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
                             plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, out_rows)],
-                                                    o_refs[j].at[layer, pl.ds(0, out_rows), cols],
+                                                    o_refs[ph.out].at[layer, pl.ds(0, out_rows), cols],
                                                     reduction_op="add" if ph.stream_k else None)
                             if "no-store-wait" not in trials:
                                 plgpu.wait_smem_to_gmem(0)  # the piece is in global memory before it is counted
-                            plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[j] + tile], 1,
+                            plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[ph.out] + ph.tile0 + tile], 1,
                                                    memory_scope="gpu")
 
                     first_tile = lax.div(begin, ph.steps)
@@ -442,7 +477,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     x_transforms = mma_transforms(jnp.float16) if products == "float16" else int8_swizzle
     kernel = plgpu.kernel(
         body,
-        out_type=tuple(jax.ShapeDtypeStruct((layers, COLS, ph.n), jnp.float32) for ph in phases),
+        out_type=tuple(jax.ShapeDtypeStruct((layers, COLS, n), jnp.float32) for n in widths),
         scratch_types=(
             plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
             plgpu.SMEM((stages, COLS, BLOCK_K), x_dtype, transforms=x_transforms),
@@ -454,7 +489,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((stages if convert else 1, COLS, 2 * BLOCK_K if convert else 8), jnp.float32),  # staging
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's sums staged (two copies)
         ),
-        grid=(programs,), grid_names=("p",), num_threads=4 if convert or x_warpgroup else 3, thread_name="wg",
+        grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
     return kernel, phases
 
@@ -463,13 +498,14 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8"):
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
-    attn = phases[ORDER.index("attn")]
-    kv = jax.random.randint(key, (layers * cfg.num_kv_heads * attn.steps * BLOCK_N, BLOCK_K), -127, 128,
+    kv_steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
+    kv = jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
                             jnp.int32).astype(jnp.int8)
+    ks = [next(ph.k for ph in phases if ph.out == out) for out in range(phases[-1].out + 1)]  # each phase's inputs
     if products == "float16":
-        bs = [jax.random.normal(key, (COLS, ph.k), jnp.float32).astype(jnp.float16) for ph in phases]
+        bs = [jax.random.normal(key, (COLS, k), jnp.float32).astype(jnp.float16) for k in ks]
     else:
-        bs = [jax.random.randint(key, (COLS, ph.k), -127, 128, jnp.int32).astype(jnp.int8) for ph in phases]
+        bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for k in ks]
     return weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32)
 
 
@@ -483,6 +519,7 @@ def main() -> None:
     ap.add_argument("--products", default="s8", choices=["s8", "float16"], help="see megakernel")
     ap.add_argument("--convert", action="store_true", help="activations from the sums, converted (see megakernel)")
     ap.add_argument("--prefetch", type=int, default=0, help="ring steps ahead to prefetch weights into L2 (0: none)")
+    ap.add_argument("--split", type=int, default=1, help="each product in split x split blocks (see plan)")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -492,7 +529,7 @@ def main() -> None:
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
-                                args.convert, args.prefetch)
+                                args.convert, args.prefetch, args.split)
     key = jax.random.PRNGKey(0)
     weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
     products = layer_products(cfg)
@@ -518,14 +555,16 @@ def main() -> None:
             f" of the copy); session 22's skeleton {base * 1e6:.1f} us ({base / args.layers * 1e6:.1f} a layer, no "
             f"attention); a 32-layer step at this rate ~{step * 1e3:.2f} ms, ~{5.9e-3 / step:.2f}x bfloat16's ~5.9 ms "
             f"before numerics; copy {copy / 1e9:.0f} GB/s")
-    label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} prefetch={args.prefetch} "
+    label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} split={args.split} "
+             f"prefetch={args.prefetch} "
              f"trial={args.trial or '-'}")
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
                                                    "session": 28, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
-                                                   "convert": args.convert, "prefetch": args.prefetch},
+                                                   "convert": args.convert, "prefetch": args.prefetch,
+                                                   "split": args.split},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
 
