@@ -266,12 +266,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                         xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, width // 2)],
                                         stage_bar.at[slot])
 
-        @pl.when(wg == 3)
-        def _converter():
-            if not convert:
-                return
-            plgpu.set_max_registers(72, action="decrease")
-
+        def each_unit(work):  # work(layer, block, unit, slot) for this program's units, each once its slot is free
             def unit(layer, j, u):
                 g, slot = position(layer, j, u)
 
@@ -279,6 +274,22 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
+                work(layer, j, u, slot)
+
+            def layer_body(layer, carry):
+                for j in range(count):
+                    lax.fori_loop(runs[j][0], runs[j][1], lambda u, c, j=j: (unit(layer, j, u), c)[1], None)
+                return carry
+
+            lax.fori_loop(0, layers, layer_body, None)
+
+        @pl.when(wg == 3)
+        def _converter():
+            if not convert:
+                return
+            plgpu.set_max_registers(72, action="decrease")
+
+            def unit(layer, j, u, slot):
                 if x_load:  # the sums by this warpgroup's own (coalesced) loads, a row at a time, into the staging
                     wait_inputs(layer, j, u)
                     src_j, src_layer, col, width = inputs_of(layer, j, u)
@@ -306,12 +317,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                 plgpu.barrier_arrive(tile_bar.at[slot])
 
-            def layer_body(layer, carry):
-                for j in range(count):
-                    lax.fori_loop(runs[j][0], runs[j][1], lambda u, c, j=j: (unit(layer, j, u), c)[1], None)
-                return carry
-
-            lax.fori_loop(0, layers, layer_body, None)
+            each_unit(unit)
 
         @pl.when(wg == 2)
         def _producer():
@@ -381,22 +387,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         @pl.when((wg == x_wg) & x_warpgroup)
         def _activations():  # x-warpgroup: the activations' waits and copies, apart from the weights'
             plgpu.set_max_registers(40, action="decrease")
-
-            def unit(layer, j, u):
-                g, slot = position(layer, j, u)
-
-                @pl.when(g >= stages)  # the compute warpgroups are done with the slot's activations
-                def _():
-                    plgpu.barrier_wait(free_bar.at[slot])
-
-                copy_x(layer, j, u)
-
-            def layer_body(layer, carry):
-                for j in range(count):
-                    lax.fori_loop(runs[j][0], runs[j][1], lambda u, c, j=j: (unit(layer, j, u), c)[1], None)
-                return carry
-
-            lax.fori_loop(0, layers, layer_body, None)
+            each_unit(lambda layer, j, u, slot: copy_x(layer, j, u))
 
         @pl.when(wg < 2)
         def _compute():
