@@ -14,6 +14,47 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=12".strip()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def interpreted_threads_compile_once():
+    """Mosaic GPU's interpreter runs each program of a grid as threads (one per warpgroup) and compiles each
+    thread's body anew for every program: `thread_map._run_jaxpr` jits a fresh closure each time, so JAX's cache,
+    which its comment there counts on, never hits. Those compiles were most of an interpreted kernel's time (on
+    2 cores a float8 decode call took 8.5 s, 4 s with each body compiled once). Here each thread's body compiles
+    once per traced kernel and every program of the grid reuses it; the threads still run as before, each its
+    own executable (one executable shared by threads that wait on each other's barriers deadlocks). Where JAX
+    has no such private function, nothing is patched and the kernels run as JAX runs them."""
+    import threading
+    import weakref
+
+    import jax
+    from jax._src import core as jax_core
+    from jax._src.pallas.mosaic.interpret import thread_map
+
+    original = getattr(thread_map, "_run_jaxpr", None)
+    if original is None:
+        yield
+        return
+    compiled: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # thread body -> {thread id: executable}
+    lock = threading.Lock()
+
+    def evaluate(jaxpr, consts, *args):
+        return jax_core.eval_jaxpr(jaxpr, consts, *args)
+
+    def run_jaxpr(jaxpr, consts, *args):
+        thread = int(args[0])  # thread_map passes the thread id first
+        with lock:
+            executable = compiled.setdefault(jaxpr, {}).get(thread)
+        if executable is None:
+            executable = jax.jit(evaluate, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+            with lock:
+                compiled[jaxpr][thread] = executable
+        jax.block_until_ready(executable(consts, *args))
+
+    thread_map._run_jaxpr = run_jaxpr
+    yield
+    thread_map._run_jaxpr = original
+
+
 @pytest.fixture(scope="session")
 def embedded_path() -> str:
     from jaxserve.checkpoint import embedded_model_path

@@ -44,9 +44,9 @@ def alone_small(small):
 
 @pytest.fixture(scope="module")
 def alone_engine(smollm):
-    """One slot and plenty of pages: every request runs alone."""
+    """One slot and plenty of pages: every request runs alone. Its prompts are short: one chunk size."""
     return build_engine(smollm, EngineConfig(max_slots=1, page_size=16, num_pages=8, max_pages_per_slot=8,
-                                             chunk_buckets=(16, 64)))
+                                             chunk_buckets=(16,)))
 
 
 def test_64_requests_through_a_small_pool_match_running_alone(small, alone_small):
@@ -215,7 +215,7 @@ def test_kv_pages_sized_from_device_memory():
 def test_float8_kv_cache_answers_paris(smollm):
     """float8_e4m3fn pages: one byte a value, and the embedded model's answer survives them. (What they cost in
     quality is measured by benchmarks/kv_fp8_cpu.py: perplexity +1.65 % on the held-out text.)"""
-    cfg = EngineConfig(max_slots=2, page_size=16, num_pages=16, max_pages_per_slot=8, chunk_buckets=(16, 64),
+    cfg = EngineConfig(max_slots=2, page_size=16, num_pages=16, max_pages_per_slot=8, chunk_buckets=(16,),
                        kv_cache_dtype="float8_e4m3fn")
     engine = build_engine(smollm, cfg)
     assert all(x.dtype == jnp.float8_e4m3fn for x in engine.runner.state.cache.k + engine.runner.state.cache.v)
@@ -244,8 +244,9 @@ def test_padding_tokens_write_only_the_padding_page(small):
     import numpy as np
 
     from jaxserve.model.kv_cache import KVCache
-    from jaxserve.model.transformer import forward
+    from jaxserve.model.transformer import forward as forward_
 
+    forward = jax.jit(forward_, static_argnames=("cfg", "attention"))  # as the engine's step runs it
     tokens, positions = jnp.asarray([[5, 6, 7, 8]], jnp.int32), jnp.arange(4)[None]
     valid = jnp.asarray([[True, True, False, False]])  # pages of 2 tokens: page 0 valid, page 1 padding
     for padding_page in (True, False):

@@ -32,7 +32,7 @@ from tests import certs
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE = EngineConfig(max_slots=8, page_size=16, num_pages=64, max_pages_per_slot=8, chunk_buckets=(16, 64))
+ENGINE = EngineConfig(max_slots=8, page_size=16, num_pages=64, max_pages_per_slot=8, chunk_buckets=(16,))
 PARIS = "The capital of France is"
 LONG = {"max_tokens": 100, "ignore_eos": True}  # a stream that outlives the test's interest in it
 
