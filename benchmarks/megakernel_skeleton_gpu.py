@@ -21,8 +21,8 @@ megakernel would have instead:
 - the float32 outputs are zeroed by the kernel at its start (every program a share, then a grid-wide count).
 
 The products are int8 wgmma on a stand-in int8 B as in session 22's skeleton, or (`--products float16`) the served
-kernels' step on a float16 stand-in, or (`--convert`) that step on activations made from the phase before's sums
-by a fourth warpgroup. What it leaves out, to be added by the real kernel: softmax, RoPE and the K/V write, the
+kernels' step on a float16 stand-in, or (`--convert`) either on activations made from the phase before's sums
+by a fourth warpgroup (s8: split into int8 parts). What it leaves out, to be added by the real kernel: softmax, RoPE and the K/V write, the
 norms' gains and 1/rms. Its outputs are not checked: the time is the point. Measured (H100, session 27): 97.8 us a
 layer at 32 layers with float16 products and converted activations.
 
@@ -52,6 +52,7 @@ from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
 from benchmarks.layer_skeleton_gpu import BLOCK_K, BLOCK_N, COLS, PHASES, s8_sums, skeleton  # noqa: E402
+from benchmarks.s8_parts import PART_INPUTS, PARTS, ring_product_parts, split_tile, unit_columns  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms  # noqa: E402
 from pallas_kernels.quantized_layer.mosaic_gpu import _load_t  # noqa: E402
@@ -59,7 +60,8 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
-TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load")  # see megakernel
+TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
+          "no-split")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 
 
@@ -123,17 +125,19 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     wait: "poll-all" reads a unit's counts at once (again until all are reached) instead of one wait after another;
     "x-warpgroup" moves the activations' waits and copies to a warpgroup of their own, so the weights' copies never
     wait on them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads
-    instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies).
+    instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies);
+    "no-split" (with s8 `convert`) has the converter leave the parts as they were (wrong: the split's cost).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
-    chunk converted to float16 in registers, B a float16 stand-in). `convert` (float16 only): a unit's activations are
+    chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
     no stand-in but the phase before's float32 sums, copied (the program's rows) into a staging ring and converted
-    to float16 (times X_SHIFT; SiLU(gate)·up for down, from the interleaved gate_up sums) by a fourth warpgroup
-    into the activation ring, as the real kernel must (its gains and 1/rms are a multiply more). `prefetch` D > 0:
+    (SiLU(gate)·up for down, from the interleaved gate_up sums) by a fourth warpgroup into the activation ring, as
+    the real kernel must (its gains and 1/rms are a multiply more): with float16 products to float16 times X_SHIFT;
+    with s8 products split into 3 int8 parts and a unit per 128 inputs (s8_parts.split_tile, session 22's PTX), which
+    the compute warpgroups multiply by int8 wgmma with no conversion of the weights (s8_parts.ring_product_parts:
+    B of 3 · 8 columns, an int32 sum a 128-input run, weighted into a float32 total). `prefetch` D > 0:
     each weight copy also asks for the weights of the ring step D later into L2 (a TMA prefetch), so HBM keeps
     streaming while a boundary's waits hold the ring. `split` S > 1: each product in S · S blocks (see plan)."""
-    if convert and products != "float16":
-        raise ValueError(f"convert needs float16 products, got products={products!r}")
     trials = set(filter(None, trial.split(",")))
     unknown = trials - set(TRIALS)
     if unknown:
@@ -144,7 +148,17 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError("x-load is for --convert (the converter loads the sums)")
     x_wg = 4 if convert else 3  # the activations' warpgroup, after the converter if there is one
     warpgroups = 3 + convert + x_warpgroup
-    compute_registers = {3: 232, 4: 200, 5: 176}[warpgroups]  # what the others leave of 512 a thread of four
+    parts = convert and products == "s8"  # the converter splits the sums into int8 parts (s8_parts.split_tile)
+    if "no-split" in trials and not parts:
+        raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
+    # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
+    # warpgroup give theirs down to 40, the converter to what it needs (split_tile holds 16 inputs, their digits and
+    # addresses), and the compute warpgroups take what is left. (Session 28's 5-warpgroup trial asked for more than
+    # the launch gave and never finished.)
+    launch = 65536 // (128 * warpgroups) // 8 * 8
+    converter_registers = 128 if parts else 72
+    compute_registers = min(232, (launch * warpgroups - 40 * (1 + x_warpgroup) - converter_registers * convert) // 2
+                            // 8 * 8)
     names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
     phases = plan(cfg, programs, split, names)
     group = cfg.num_heads // cfg.num_kv_heads
@@ -196,7 +210,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         w_refs, kv_ref = refs[:4], refs[4]
         b_refs, z_ref = refs[5:6 + last], refs[6 + last]
         o_refs = refs[7 + last:8 + 2 * last]
-        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar = refs[8 + 2 * last:]
+        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem = \
+            refs[8 + 2 * last:]
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
         # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
@@ -287,7 +302,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         def _converter():
             if not convert:
                 return
-            plgpu.set_max_registers(72, action="decrease")
+            plgpu.set_max_registers(converter_registers,
+                                    action="increase" if converter_registers > launch else "decrease")
 
             def unit(layer, j, u, slot):
                 if x_load:  # the sums by this warpgroup's own (coalesced) loads, a row at a time, into the staging
@@ -303,6 +319,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                 def sums(at):
                     return xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)]
+                if parts and phases[j].name != "w_down":  # the staged sums are the activations: split in place
+                    if "no-split" not in trials:
+                        split_tile(xs_smem.at[slot], x_smem.at[slot], e_smem.at[slot], parts=PARTS)
+                    plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
+                    plgpu.barrier_arrive(tile_bar.at[slot])
+                    return
                 for c in range(BLOCK_K // qmm_gpu.ROWS):
                     if phases[j].name == "w_down":  # gate and up interleaved by 128 channels
                         at = c // 2 * 2 * BLOCK_N + c % 2 * qmm_gpu.ROWS
@@ -311,9 +333,16 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         v = gate / (1.0 + jnp.exp(-gate)) * up
                     else:
                         v = _load_t(sums(c * qmm_gpu.ROWS))
+                    if parts:  # the float32 activations, to be split
+                        qmm_gpu.store_transposed(v, raw_smem.at[:, pl.ds(c * qmm_gpu.ROWS, qmm_gpu.ROWS)],
+                                                 interpreted=False)
+                        continue
                     qmm_gpu.store_transposed(v * qmm_gpu.X_SHIFT, x_smem.at[slot, :, pl.ds(c * qmm_gpu.ROWS,
                                                                                           qmm_gpu.ROWS)],
                                              interpreted=False)
+                if parts and "no-split" not in trials:
+                    plgpu.commit_smem()  # (a warpgroup barrier: every thread's activations before the split reads them)
+                    split_tile(raw_smem, x_smem.at[slot], e_smem.at[slot], parts=PARTS)
                 plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                 plgpu.barrier_arrive(tile_bar.at[slot])
 
@@ -428,7 +457,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             start = jnp.maximum(begin, tile * ph.steps)
                             stop = jnp.minimum(end, (tile + 1) * ph.steps)
 
-                            if products == "float16":
+                            if parts:
+                                acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, start,
+                                                         stop, lambda u: lax.rem(g0 + u - begin, stages))
+                            elif products == "float16":
                                 acc = qmm_gpu.ring_product(w_smem, x_smem, tile_bar, free_bar, rows, start, stop,
                                                            lambda u: lax.rem(g0 + u - begin, stages),
                                                            interpreted=False)
@@ -471,7 +503,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         out_type=tuple(jax.ShapeDtypeStruct((layers, COLS, n), jnp.float32) for n in widths),
         scratch_types=(
             plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
-            plgpu.SMEM((stages, COLS, BLOCK_K), x_dtype, transforms=x_transforms),
+            plgpu.SMEM((stages, PARTS * COLS if parts else COLS, BLOCK_K), x_dtype, transforms=x_transforms),
             plgpu.SMEM((2, COLS, qmm_gpu.ROWS), jnp.float32),
             plgpu.SMEM((COLS, qmm_gpu.ROWS), jnp.float32),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's weight tile and its activations
@@ -479,6 +511,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.Barrier(num_arrivals=1),
             plgpu.SMEM((stages if convert else 1, COLS, 2 * BLOCK_K if convert else 8), jnp.float32),  # staging
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's sums staged (two copies)
+            plgpu.SMEM((stages if parts else 1, BLOCK_K // PART_INPUTS, unit_columns(COLS)), jnp.float32),  # units
+            plgpu.SMEM((COLS, BLOCK_K if parts else 8), jnp.float32),  # the converter's activations, to be split
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
@@ -552,7 +586,7 @@ def main() -> None:
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
-                                                   "session": 28, "seconds_again": mega_again,
+                                                   "session": 29, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
                                                    "split": args.split},
