@@ -115,7 +115,7 @@ def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
 
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
-               products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1):
+               products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1, split_inputs: int = 4):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
@@ -137,7 +137,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     the compute warpgroups multiply by int8 wgmma with no conversion of the weights (s8_parts.ring_product_parts:
     B of 3 · 8 columns, an int32 sum a 128-input run, weighted into a float32 total). `prefetch` D > 0:
     each weight copy also asks for the weights of the ring step D later into L2 (a TMA prefetch), so HBM keeps
-    streaming while a boundary's waits hold the ring. `split` S > 1: each product in S · S blocks (see plan)."""
+    streaming while a boundary's waits hold the ring. `split` S > 1: each product in S · S blocks (see plan).
+    `split_inputs`: inputs a converter thread splits (s8 `convert`; 16 is session 22's form, 4 a shorter chain), only
+    the batch's rows (`out_rows`)."""
     trials = set(filter(None, trial.split(",")))
     unknown = trials - set(TRIALS)
     if unknown:
@@ -321,7 +323,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     return xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)]
                 if parts and phases[j].name != "w_down":  # the staged sums are the activations: split in place
                     if "no-split" not in trials:
-                        split_tile(xs_smem.at[slot], x_smem.at[slot], e_smem.at[slot], parts=PARTS)
+                        split_tile(xs_smem.at[slot], x_smem.at[slot], e_smem.at[slot], parts=PARTS,
+                                   inputs=split_inputs, rows=out_rows)
                     plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                     plgpu.barrier_arrive(tile_bar.at[slot])
                     return
@@ -342,7 +345,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                              interpreted=False)
                 if parts and "no-split" not in trials:
                     plgpu.commit_smem()  # (a warpgroup barrier: every thread's activations before the split reads them)
-                    split_tile(raw_smem, x_smem.at[slot], e_smem.at[slot], parts=PARTS)
+                    split_tile(raw_smem, x_smem.at[slot], e_smem.at[slot], parts=PARTS, inputs=split_inputs,
+                               rows=out_rows)
                 plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                 plgpu.barrier_arrive(tile_bar.at[slot])
 
@@ -545,6 +549,8 @@ def main() -> None:
     ap.add_argument("--convert", action="store_true", help="activations from the sums, converted (see megakernel)")
     ap.add_argument("--prefetch", type=int, default=0, help="ring steps ahead to prefetch weights into L2 (0: none)")
     ap.add_argument("--split", type=int, default=1, help="each product in split x split blocks (see plan)")
+    ap.add_argument("--split-inputs", type=int, default=4, choices=[4, 8, 16],
+                    help="inputs a converter thread splits into parts (--products s8 --convert)")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -554,7 +560,7 @@ def main() -> None:
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
-                                args.convert, args.prefetch, args.split)
+                                args.convert, args.prefetch, args.split, args.split_inputs)
     key = jax.random.PRNGKey(0)
     weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
     products = layer_products(cfg)
@@ -581,7 +587,7 @@ def main() -> None:
             f"attention); a 32-layer step at this rate ~{step * 1e3:.2f} ms, ~{5.9e-3 / step:.2f}x bfloat16's ~5.9 ms "
             f"before numerics; copy {copy / 1e9:.0f} GB/s")
     label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} split={args.split} "
-             f"prefetch={args.prefetch} "
+             f"prefetch={args.prefetch} {f'split_inputs={args.split_inputs} ' if args.convert else ''}"
              f"trial={args.trial or '-'}")
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
@@ -589,7 +595,8 @@ def main() -> None:
                                                    "session": 29, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
-                                                   "split": args.split},
+                                                   "split": args.split, "split_inputs": args.split_inputs
+                                                   if args.convert and args.products == "s8" else None},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
 

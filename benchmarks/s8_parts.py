@@ -67,46 +67,51 @@ def split_parts(x: jax.Array, parts: int, block_m: int, rows: int) -> tuple[jax.
     return values, units.reshape(k // PART_INPUTS, -1)
 
 
-def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, row_bytes: int) -> str:
-    """PTX of split_tile for one segment of 16 inputs per thread: thread t of the warpgroup takes segment
-    t + 128 · segment of the tile (row, 16 inputs), its run's largest |x| by shuffles among the 8 threads of the run,
-    the parts digit by digit ((q + 128) >> 8 is the next digit's q), each part's 16 bytes stored at their swizzled
-    place (128-byte rows in tiles of 8 rows × 128 inputs, the 16-byte chunk index xor the row), the unit by the run's
-    first thread. Operands: $0 the thread, $1 $2 $3 the shared addresses of the tile (rows row_bytes apart), the parts
-    and the units."""
-    per_row = block_k // 16  # segments a row
+def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, row_bytes: int, inputs: int) -> str:
+    """PTX of split_tile for one segment of `inputs` (4, 8 or 16) inputs a thread: thread t of the warpgroup takes
+    segment t + 128 · segment of the tile (row, `inputs` inputs), its run's largest |x| by shuffles among the
+    128 / inputs threads of the run, the parts digit by digit ((q + 128) >> 8 is the next digit's q), each part's
+    `inputs` bytes stored at their swizzled place (128-byte rows in tiles of 8 rows × 128 inputs, the 16-byte chunk
+    index xor the row), the unit by the run's first thread. Fewer inputs a thread: a shorter chain a thread (what a
+    converter on the critical path wants), more segments for the same tile. Operands: $0 the thread, $1 $2 $3 the
+    shared addresses of the tile (rows row_bytes apart), the parts and the units."""
+    per_row = block_k // inputs  # segments a row
+    per_run = PART_INPUTS // inputs  # threads a run
+    words = inputs // 4
+    vec = {1: "", 2: ".v2", 4: ".v4"}[words]
     shift = 8 * parts - 2
     loads = "\n".join(f"ld.shared.v4.f32 {{v{4 * i}, v{4 * i + 1}, v{4 * i + 2}, v{4 * i + 3}}}, [xa+{16 * i}];"
-                       for i in range(4))
-    top = "\n".join(f"abs.f32 a, v{i}; max.NaN.f32 m, m, a;" for i in range(1, 16))
-    scale = "\n".join(f"mul.f32 v{i}, v{i}, inv; cvt.rni.s32.f32 q{i}, v{i};" for i in range(16))
+                       for i in range(words))
+    top = "\n".join(f"abs.f32 a, v{i}; max.NaN.f32 m, m, a;" for i in range(1, inputs))
+    shuffles = "\n".join(f"shfl.sync.bfly.b32 m2, m, {1 << b}, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;"
+                          for b in range(per_run.bit_length() - 1))
+    scale = "\n".join(f"mul.f32 v{i}, v{i}, inv; cvt.rni.s32.f32 q{i}, v{i};" for i in range(inputs))
     stores = []
     for j in range(parts):
         pack = "\n".join(f"prmt.b32 t0, q{4 * w}, q{4 * w + 1}, 0x0040; prmt.b32 t1, q{4 * w + 2}, q{4 * w + 3}, 0x0040;"
-                          f" prmt.b32 w{w}, t0, t1, 0x5410;" for w in range(4))
+                          f" prmt.b32 w{w}, t0, t1, 0x5410;" for w in range(words))
+        ws = ", ".join(f"w{w}" for w in range(words))
         stores.append(f"""{pack}
             add.u32 pa, rb, {j * block_m // 8 * (block_k // 128) * 1024};
-            st.shared.v4.b32 [pa], {{w0, w1, w2, w3}};""")
+            st.shared{vec}.b32 [pa], {"{" + ws + "}" if words > 1 else ws};""")
         if j < parts - 1:
-            stores.append("\n".join(f"add.s32 q{i}, q{i}, 128; shr.s32 q{i}, q{i}, 8;" for i in range(16)))
+            stores.append("\n".join(f"add.s32 q{i}, q{i}, 128; shr.s32 q{i}, q{i}, 8;" for i in range(inputs)))
     return f"""{{
-        .reg .u32 seg, row, c16, run, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, w0, w1, w2, w3;
-        .reg .f32 v<16>, a, m, m2, inv;
-        .reg .s32 q<16>;
+        .reg .u32 seg, row, c, run, idx, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, w<{words}>;
+        .reg .f32 v<{inputs}>, a, m, m2, inv;
+        .reg .s32 q<{inputs}>;
         .reg .pred p;
         add.u32 seg, $0, {128 * segment};
         shr.u32 row, seg, {per_row.bit_length() - 1};
-        and.b32 c16, seg, {per_row - 1};
-        shr.u32 run, c16, 3;
-        and.b32 chunk, c16, 7;
+        and.b32 c, seg, {per_row - 1};
+        shr.u32 run, c, {per_run.bit_length() - 1};
+        and.b32 idx, c, {per_run - 1};
         mad.lo.u32 xa, row, {row_bytes}, $1;
-        mad.lo.u32 xa, c16, 64, xa;
+        mad.lo.u32 xa, c, {4 * inputs}, xa;
         {loads}
         abs.f32 m, v0;
         {top}
-        shfl.sync.bfly.b32 m2, m, 1, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
-        shfl.sync.bfly.b32 m2, m, 2, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
-        shfl.sync.bfly.b32 m2, m, 4, 0x1f, 0xffffffff; max.NaN.f32 m, m, m2;
+        {shuffles}
         mov.b32 e, m;
         shr.u32 e, e, 23;
         sub.s32 ue, e, {shift - 1};
@@ -124,12 +129,16 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
         shl.b32 rb, rb, 10;
         shl.b32 t0, r8, 7;
         add.u32 rb, rb, t0;
+        mul.lo.u32 t1, idx, {inputs};
+        shr.u32 chunk, t1, 4;
+        and.b32 t1, t1, 15;
         xor.b32 t0, chunk, r8;
         shl.b32 t0, t0, 4;
         add.u32 rb, rb, t0;
+        add.u32 rb, rb, t1;
         add.u32 rb, rb, $2;
         {chr(10).join(stores)}
-        setp.eq.u32 p, chunk, 0;
+        setp.eq.u32 p, idx, 0;
         mad.lo.u32 ua, run, {cols}, row;
         shl.b32 ua, ua, 2;
         add.u32 ua, ua, $3;
@@ -137,17 +146,20 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
         }}"""
 
 
-
-def split_tile(raw, parts_ref, units_ref, *, parts: int) -> None:
-    """The activation tile raw [block_m, >= block_k] float32 (shared memory, untiled; its rows' first block_k) -> its int8 parts
-    parts_ref [parts · block_m, block_k] (tiled + swizzled for wgmma) and units_ref [block_k // PART_INPUTS, cols]
-    (untiled), as split_parts would make them, by the warpgroup that calls it: 16 inputs a thread, in inline PTX
-    (_split_ptx). On the chip only."""
+def split_tile(raw, parts_ref, units_ref, *, parts: int, inputs: int = 16, rows: int | None = None) -> None:
+    """The activation tile raw [block_m, >= block_k] float32 (shared memory, untiled; its rows' first block_k) -> its
+    int8 parts parts_ref [parts · block_m, block_k] (tiled + swizzled for wgmma) and units_ref [block_k // PART_INPUTS,
+    cols] (untiled), as split_parts would make them, by the warpgroup that calls it: `inputs` inputs a thread
+    (4, 8 or 16), in inline PTX (_split_ptx). `rows`: split only the tile's first rows (rounded up to what a pass of
+    the warpgroup covers); the parts of the others are left as they were. On the chip only."""
     block_k = parts_ref.shape[-1]
     block_m = parts_ref.shape[-2] // parts
     if raw.shape[0] != block_m or raw.shape[1] < block_k:
         raise ValueError(f"raw {raw.shape} must hold {block_m} rows of at least {block_k} inputs")
+    if inputs not in (4, 8, 16):
+        raise ValueError(f"inputs a thread must be 4, 8 or 16, got {inputs}")
     row_bytes = 4 * raw.shape[1]
+    segments = -(-(rows or block_m) * block_k // (128 * inputs))
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, llvm
@@ -160,13 +172,12 @@ def split_tile(raw, parts_ref, units_ref, *, parts: int) -> None:
         i32 = ir.IntegerType.get_signless(32)
         address = [llvm.ptrtoint(i32, mgpu_utils.memref_ptr(r)) for r in (raw, parts_ref, units_ref)]
         thread = arith.andi(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mgpu_utils.c(127, i32))
-        for segment in range(block_m * block_k // 16 // 128):
+        for segment in range(segments):
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [thread, *address],
-                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1], row_bytes),
+                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1], row_bytes, inputs),
                             "r,r,r,r", has_side_effects=True)
 
     split(raw, parts_ref, units_ref)
-
 
 
 def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of, *,
@@ -210,7 +221,7 @@ def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, 
 
 
 
-def check() -> None:
+def check(inputs: int) -> None:
     """On the chip: split_tile against split_parts, and ring_product_parts against float64, on activations over
     six decades (one row of 1e4s, one of 1e-2s) and random int8 weights. Prints the errors; raises if they pass
     the bounds split_parts states."""
@@ -226,7 +237,7 @@ def check() -> None:
                 plgpu.copy_gmem_to_smem(x_ref.at[at], raw.at[at], bar)
         plgpu.copy_gmem_to_smem(w_ref, w_smem.at[0], bar)
         plgpu.barrier_wait(bar)
-        split_tile(raw, x_smem.at[0], e_smem.at[0], parts=parts)
+        split_tile(raw, x_smem.at[0], e_smem.at[0], parts=parts, inputs=inputs)
         plgpu.commit_smem()
         plgpu.barrier_arrive(tile_bar.at[0])
         acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, pl.ds(0, qmm_gpu.ROWS), 0, 1,
@@ -268,11 +279,12 @@ def check() -> None:
     units_equal = bool(jnp.all(got_units[:, :block_m] == want_units[:, :block_m]))
     exact = np.asarray(x, np.float64) @ np.asarray(w[:qmm_gpu.ROWS], np.float64).T  # [block_m, 64]
     rel = np.abs(np.asarray(out, np.float64) - exact).max(axis=1) / np.abs(exact).max(axis=1)
-    print(f"split_tile == split_parts: parts {parts_equal}, units {units_equal}; products' largest error a row, "
+    print(f"split_tile ({inputs} inputs a thread) == split_parts: parts {parts_equal}, units {units_equal}; products' largest error a row, "
           f"relative to the row's largest: {rel.max():.2e}", flush=True)
     if not (parts_equal and units_equal and rel.max() < 1e-5):
         raise SystemExit("s8 parts check failed")
 
 
 if __name__ == "__main__":
-    check()
+    for n in (16, 4):
+        check(n)
