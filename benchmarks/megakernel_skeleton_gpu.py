@@ -41,6 +41,8 @@ import functools
 import os
 import sys
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -49,10 +51,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, decode_step, device_seconds, layer_products, run_steps  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
 from benchmarks.layer_skeleton_gpu import BLOCK_K, BLOCK_N, COLS, PHASES, s8_sums, skeleton  # noqa: E402
 from benchmarks.s8_parts import PART_INPUTS, PARTS, ring_product_parts, split_tile, unit_columns  # noqa: E402
+from jaxserve.config import QuantConfig  # noqa: E402
+from jaxserve.model.quant import quantize_weights  # noqa: E402
+from jaxserve.model.weights import random_weights  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
 from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms  # noqa: E402
 from pallas_kernels.quantized_layer.mosaic_gpu import _load_t  # noqa: E402
@@ -551,6 +556,9 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=1, help="each product in split x split blocks (see plan)")
     ap.add_argument("--split-inputs", type=int, default=4, choices=[4, 8, 16],
                     help="inputs a converter thread splits into parts (--products s8 --convert)")
+    ap.add_argument("--served", action="store_true",
+                    help="also time, in this process, the served batch-1 step: bfloat16 (the baseline) and int8's "
+                         "cost outside the layers, for the step this skeleton would give (see served_steps)")
     ap.add_argument("--out", default="benchmarks/results/megakernel_skeleton_gpu.jsonl")
     args = ap.parse_args()
     cfg = LLAMA_8B
@@ -599,6 +607,43 @@ def main() -> None:
                                                    if args.convert and args.products == "s8" else None},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
+    if args.served:
+        served_steps(cfg, per_layer, args.out, {"layers": args.layers, "stages": args.stages, "session": 29,
+                                                "products": args.products, "convert": args.convert,
+                                                "trial": args.trial or None})
+
+
+def served_steps(cfg, per_layer: float, out: str, config: dict, steps: int = 100, reps: int = 3) -> None:
+    """The served decode step at batch 1 (context CONTEXT), timed as int8_gpu.py times it: bfloat16 with every layer
+    of cfg (the baseline), and the int8 step with 1 and 2 layers, whose difference is a layer and whose rest (twice
+    the first less the second) is what the step costs outside its layers (embedding, final norm, head, sampling,
+    dispatch); and the int8 step with every layer (today's served ratio). A megakernel at per_layer seconds a layer would make a step of layers · per_layer + that rest."""
+    def median_step(layers: int, dtype) -> float:
+        c = dataclasses.replace(cfg, num_layers=layers)
+        weights = random_weights(c, jax.random.PRNGKey(0), jnp.bfloat16)
+        if dtype == "int8":
+            weights = quantize_weights(weights, QuantConfig(mode="int8"), jnp.bfloat16)
+        step, state, inp = decode_step(c, weights, 1, CONTEXT)
+        times = []
+        for _ in range(reps):
+            t, state = run_steps(step, weights, state, inp, steps)
+            times.append(t)
+        return float(np.median(times))
+
+    bf16 = median_step(cfg.num_layers, "bfloat16")
+    int8 = median_step(cfg.num_layers, "int8")
+    one, two = median_step(1, "int8"), median_step(2, "int8")
+    rest = 2 * one - two
+    estimate = cfg.num_layers * per_layer + rest
+    print(f"served, batch 1: bfloat16 {bf16 * 1e3:.3f} ms a step ({cfg.num_layers} layers), int8 {int8 * 1e3:.3f} "
+          f"({bf16 / int8:.3f}x); int8 1 layer "
+          f"{one * 1e3:.3f}, 2 layers {two * 1e3:.3f} ms: a layer {(two - one) * 1e6:.1f} us, outside the layers "
+          f"{rest * 1e6:.0f} us; a megakernel step at {per_layer * 1e6:.1f} us a layer ~{estimate * 1e3:.3f} ms, "
+          f"{bf16 / estimate:.3f}x bfloat16 (before its numerics)", flush=True)
+    record(out, "int8_megakernel_step_estimate", {**config, "context": CONTEXT, "per_layer": per_layer,
+                                                  "int8_outside_layers": rest, "int8_served_layer": two - one,
+                                                  "int8_served_step": int8},
+           "seconds", estimate, "s", "served bfloat16 step, batch 1 (same process)", bf16, higher_is_better=False)
 
 
 if __name__ == "__main__":
