@@ -613,11 +613,13 @@ def main() -> None:
                                                 "trial": args.trial or None})
 
 
-def served_steps(cfg, per_layer: float, out: str, config: dict, steps: int = 100, reps: int = 3) -> None:
+def served_steps(cfg, per_layer: float, out: str, config: dict, steps: int = 100, reps: int = 3,
+                 few: int = 4) -> None:
     """The served decode step at batch 1 (context CONTEXT), timed as int8_gpu.py times it: bfloat16 with every layer
-    of cfg (the baseline), and the int8 step with 1 and 2 layers, whose difference is a layer and whose rest (twice
-    the first less the second) is what the step costs outside its layers (embedding, final norm, head, sampling,
-    dispatch); and the int8 step with every layer (today's served ratio). A megakernel at per_layer seconds a layer would make a step of layers · per_layer + that rest."""
+    of cfg (the baseline), and int8 with every layer (today's ratio) and with `few` layers. From the two int8 steps,
+    a layer and what the step costs outside its layers (embedding, final norm, head, sampling): a step of `few`
+    layers is still longer than its dispatch (at 1 or 2 layers the host's dispatch sets the pace, and the difference
+    is no layer). A megakernel at per_layer seconds a layer would make a step of layers · per_layer + that rest."""
     def median_step(layers: int, dtype) -> float:
         c = dataclasses.replace(cfg, num_layers=layers)
         weights = random_weights(c, jax.random.PRNGKey(0), jnp.bfloat16)
@@ -630,19 +632,19 @@ def served_steps(cfg, per_layer: float, out: str, config: dict, steps: int = 100
             times.append(t)
         return float(np.median(times))
 
-    bf16 = median_step(cfg.num_layers, "bfloat16")
-    int8 = median_step(cfg.num_layers, "int8")
-    one, two = median_step(1, "int8"), median_step(2, "int8")
-    rest = 2 * one - two
-    estimate = cfg.num_layers * per_layer + rest
-    print(f"served, batch 1: bfloat16 {bf16 * 1e3:.3f} ms a step ({cfg.num_layers} layers), int8 {int8 * 1e3:.3f} "
-          f"({bf16 / int8:.3f}x); int8 1 layer "
-          f"{one * 1e3:.3f}, 2 layers {two * 1e3:.3f} ms: a layer {(two - one) * 1e6:.1f} us, outside the layers "
-          f"{rest * 1e6:.0f} us; a megakernel step at {per_layer * 1e6:.1f} us a layer ~{estimate * 1e3:.3f} ms, "
-          f"{bf16 / estimate:.3f}x bfloat16 (before its numerics)", flush=True)
+    layers = cfg.num_layers
+    bf16 = median_step(layers, "bfloat16")
+    int8, int8_few = median_step(layers, "int8"), median_step(few, "int8")
+    layer = (int8 - int8_few) / (layers - few)
+    rest = int8 - layers * layer
+    estimate = layers * per_layer + rest
+    print(f"served, batch 1: bfloat16 {bf16 * 1e3:.3f} ms a step ({layers} layers), int8 {int8 * 1e3:.3f} "
+          f"({bf16 / int8:.3f}x); int8 at {few} layers {int8_few * 1e3:.3f} ms: a layer {layer * 1e6:.1f} us, outside "
+          f"the layers {rest * 1e6:.0f} us; a megakernel step at {per_layer * 1e6:.1f} us a layer ~{estimate * 1e3:.3f} "
+          f"ms, {bf16 / estimate:.3f}x bfloat16 (before its numerics)", flush=True)
     record(out, "int8_megakernel_step_estimate", {**config, "context": CONTEXT, "per_layer": per_layer,
-                                                  "int8_outside_layers": rest, "int8_served_layer": two - one,
-                                                  "int8_served_step": int8},
+                                                  "int8_outside_layers": rest, "int8_served_layer": layer,
+                                                  "int8_served_step": int8, "int8_few_layers": [few, int8_few]},
            "seconds", estimate, "s", "served bfloat16 step, batch 1 (same process)", bf16, higher_is_better=False)
 
 
