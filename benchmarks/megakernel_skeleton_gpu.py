@@ -22,9 +22,10 @@ megakernel would have instead:
 
 The products are int8 wgmma on a stand-in int8 B as in session 22's skeleton, or (`--products float16`) the served
 kernels' step on a float16 stand-in, or (`--convert`) either on activations made from the phase before's sums
-by a fourth warpgroup (s8: split into int8 parts). What it leaves out, to be added by the real kernel: softmax, RoPE and the K/V write, the
-norms' gains and 1/rms. Its outputs are not checked: the time is the point. Measured (H100, session 27): 97.8 us a
-layer at 32 layers with float16 products and converted activations.
+by a fourth warpgroup (s8: split into int8 parts). What it leaves out, to be added by the real kernel: softmax,
+RoPE and the K/V write, the norms' gains and 1/rms. Its outputs are not checked: the time is the point. Measured (H100, 32 layers): 97.8 us a
+layer with float16 products and converted activations (session 27); 93.3-93.7 with s8 products on activations split
+into int8 parts (`--products s8 --convert --stages 2`, session 29).
 
 Baseline in the same run and process: session 22's skeleton (the four products of each layer, grid barriers, no
 attention) on the same weights. The bound for the served step: 32 · (this, a layer) + the head (~0.21 ms) against
