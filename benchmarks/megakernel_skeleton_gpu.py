@@ -69,6 +69,7 @@ ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a d
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
+NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,8 @@ def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
 
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
-               products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1, split_inputs: int = 4):
+               products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1, split_inputs: int = 4,
+               numerics: bool = False):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
@@ -145,7 +147,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     each weight copy also asks for the weights of the ring step D later into L2 (a TMA prefetch), so HBM keeps
     streaming while a boundary's waits hold the ring. `split` S > 1: each product in S · S blocks (see plan).
     `split_inputs`: inputs a converter thread splits (s8 `convert`; 16 is session 22's form, 4 a shorter chain), only
-    the batch's rows (`out_rows`)."""
+    the batch's rows (`out_rows`). `numerics` (s8 `convert`): the work of the norms and the scales, on stand-in
+    values: qkv's and gate_up's units have their norm's gain staged beside their sums (one copy of 256 sums and one
+    of 256 gains) and the split multiplies by it and adds each row's squares into a sum of the program's; down's
+    converter multiplies gate and up by that sum's 1/rms (a number a row); each piece is multiplied by its rows'
+    per-channel scales, copied in by its compute warpgroup as its fragment starts. A timing trial: the sums of
+    squares are never reset (the real kernel resets them a phase), and attention's q is not scaled (the stand-in
+    has no q). Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product."""
     trials = set(filter(None, trial.split(",")))
     unknown = trials - set(TRIALS)
     if unknown:
@@ -157,6 +165,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     x_wg = 4 if convert else 3  # the activations' warpgroup, after the converter if there is one
     warpgroups = 3 + convert + x_warpgroup
     parts = convert and products == "s8"  # the converter splits the sums into int8 parts (s8_parts.split_tile)
+    if numerics and not parts:
+        raise ValueError("numerics is for --products s8 --convert (the converter's split takes the gains)")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -217,9 +227,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     def body(*refs):
         w_refs, kv_ref = refs[:4], refs[4]
         b_refs, z_ref = refs[5:6 + last], refs[6 + last]
-        o_refs = refs[7 + last:8 + 2 * last]
-        w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem = \
-            refs[8 + 2 * last:]
+        g_ref, s_refs = refs[7 + last], dict(zip(PRODUCTS, refs[8 + last:12 + last]))
+        o_refs = refs[12 + last:13 + 2 * last]
+        (w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
+         sq_smem, sc_smem, sc_bar) = refs[13 + 2 * last:]
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
         # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
@@ -283,6 +294,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                         tile_bar.at[slot])
                 return
             src_j, src_layer, col, width = inputs_of(layer, j, u)
+            if numerics and phases[j].name in NORMED:  # the sums in one copy, the norm's gain in the other
+                plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col, width)],
+                                        xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(0, width)], stage_bar.at[slot])
+                plgpu.copy_gmem_to_smem(g_ref.at[layer, NORMED.index(phases[j].name), pl.ds(k_of(j, u), BLOCK_K)],
+                                        g_smem.at[slot], stage_bar.at[slot])
+                return
             for half in range(2):  # (a copy moves at most 256 along a dimension)
                 at = half * width // 2
                 plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, width // 2)],
@@ -329,8 +346,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     return xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)]
                 if parts and phases[j].name != "w_down":  # the staged sums are the activations: split in place
                     if "no-split" not in trials:
+                        normed = numerics and phases[j].name in NORMED
                         split_tile(xs_smem.at[slot], x_smem.at[slot], e_smem.at[slot], parts=PARTS,
-                                   inputs=split_inputs, rows=out_rows)
+                                   inputs=split_inputs, rows=out_rows,
+                                   **({"gain": g_smem.at[slot], "squares": sq_smem} if normed else {}))
                     plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                     plgpu.barrier_arrive(tile_bar.at[slot])
                     return
@@ -339,6 +358,11 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         at = c // 2 * 2 * BLOCK_N + c % 2 * qmm_gpu.ROWS
                         gate = _load_t(sums(at))
                         up = _load_t(sums(at + BLOCK_N))
+                        if numerics:  # both times the mlp norm's 1/rms, a number a row
+                            sq = plgpu.load(sq_smem.at[pl.ds(0, COLS)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                            inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + 1e-5),
+                                                       gate.shape, [1])
+                            gate, up = gate * inv, up * inv
                         v = gate / (1.0 + jnp.exp(-gate)) * up
                     else:
                         v = _load_t(sums(c * qmm_gpu.ROWS))
@@ -466,6 +490,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         def _():
                             start = jnp.maximum(begin, tile * ph.steps)
                             stop = jnp.minimum(end, (tile + 1) * ph.steps)
+                            channels = pl.ds(layer * ph.n + (ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS,
+                                             qmm_gpu.ROWS)
+                            if numerics and ph.stream_k:  # the rows' scales, copied in while the products run
+                                plgpu.copy_gmem_to_smem(s_refs[ph.name].at[channels], sc_smem.at[wg], sc_bar.at[wg])
 
                             if parts:
                                 acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, start,
@@ -478,8 +506,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                 acc = s8_sums(w_smem, tile_bar, free_bar, rows, start, stop,
                                               lambda u: lax.rem(g0 + u - begin, stages),
                                               lambda slot, u, c: x_smem.at[slot, :, pl.ds(c, 128)])
+                            acc = acc.astype(jnp.float32)
+                            if numerics and ph.stream_k:
+                                plgpu.barrier_wait(sc_bar.at[wg])
+                                scale = plgpu.load(sc_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                                acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            qmm_gpu.store_transposed(acc.astype(jnp.float32), o_smem.at[wg], interpreted=False)
+                            qmm_gpu.store_transposed(acc, o_smem.at[wg], interpreted=False)
                             plgpu.commit_smem()
                             cols = pl.ds((ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
                             plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, out_rows)],
@@ -523,13 +556,18 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's sums staged (two copies)
             plgpu.SMEM((stages if parts else 1, BLOCK_K // PART_INPUTS, unit_columns(COLS)), jnp.float32),  # units
             plgpu.SMEM((COLS, BLOCK_K if parts else 8), jnp.float32),  # the converter's activations, to be split
+            plgpu.SMEM((stages if numerics else 1, BLOCK_K), jnp.float32),  # a unit's gains (numerics)
+            plgpu.SMEM((32,), jnp.float32),  # each row's sum of squares (numerics)
+            plgpu.SMEM((2, qmm_gpu.ROWS), jnp.float32),  # each compute warpgroup's rows' scales (numerics)
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
     return kernel, phases
 
 
-def inputs(cfg, layers: int, phases, key, products: str = "s8"):
+def inputs(cfg, layers: int, phases, key, products: str = "s8") -> list:
+    """The kernel's inputs: weights, K/V, each phase's stand-in B, zeros, the norms' gains and the products' scales."""
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
@@ -541,7 +579,9 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8"):
         bs = [jax.random.normal(key, (COLS, k), jnp.float32).astype(jnp.float16) for k in ks]
     else:
         bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for k in ks]
-    return weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32)
+    gains = jax.random.uniform(key, (layers, len(NORMED), cfg.hidden_size), jnp.float32, 0.5, 2.0)
+    scales = [jax.random.uniform(key, (layers * shapes[name][0],), jnp.float32, 1e-3, 2e-3) for name in PRODUCTS]
+    return [*weights, kv, *bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, *scales]
 
 
 def main() -> None:
@@ -557,6 +597,8 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=1, help="each product in split x split blocks (see plan)")
     ap.add_argument("--split-inputs", type=int, default=4, choices=[4, 8, 16],
                     help="inputs a converter thread splits into parts (--products s8 --convert)")
+    ap.add_argument("--numerics", action="store_true",
+                    help="the norms' gains and 1/rms and the products' scales (--products s8 --convert; see megakernel)")
     ap.add_argument("--served", action="store_true",
                     help="also time, in this process, the served batch-1 step: bfloat16 (the baseline) and int8's "
                          "cost outside the layers, for the step this skeleton would give (see served_steps)")
@@ -569,9 +611,10 @@ def main() -> None:
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
-                                args.convert, args.prefetch, args.split, args.split_inputs)
+                                args.convert, args.prefetch, args.split, args.split_inputs, args.numerics)
     key = jax.random.PRNGKey(0)
-    weights, kv, bs, zeros = inputs(cfg, args.layers, phases, key, args.products)
+    args_in = inputs(cfg, args.layers, phases, key, args.products)
+    weights = args_in[:len(PRODUCTS)]
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
     layer_weights = [weights[PRODUCTS.index(name)] for name in PHASES]
@@ -580,13 +623,13 @@ def main() -> None:
     base_bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for _, k in shapes]
     mega_fn = jax.jit(kernel)
     if jax.default_backend() == "cpu":  # no interpreter for grid-shared semaphores: lower only
-        mega_fn.trace(*weights, kv, *bs, zeros).lower(lowering_platforms=("cuda",))
+        mega_fn.trace(*args_in).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
     copy = copy_bandwidth_device()
-    mega = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
+    mega = device_seconds(mega_fn, args_in, reps=5)
     base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
-    mega_again = device_seconds(mega_fn, (*weights, kv, *bs, zeros), reps=5)
+    mega_again = device_seconds(mega_fn, args_in, reps=5)
     product_bytes = sum(w.size for w in weights)
     per_layer = min(mega, mega_again) / args.layers
     step = 32 * per_layer + 0.21e-3
@@ -597,14 +640,15 @@ def main() -> None:
             f"before numerics; copy {copy / 1e9:.0f} GB/s")
     label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} split={args.split} "
              f"prefetch={args.prefetch} {f'split_inputs={args.split_inputs} ' if args.convert else ''}"
-             f"trial={args.trial or '-'}")
+             f"{'numerics ' if args.numerics else ''}trial={args.trial or '-'}")
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
                                                    "session": 29, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
-                                                   "split": args.split, "split_inputs": args.split_inputs
+                                                   "split": args.split, "numerics": args.numerics,
+                                                   "split_inputs": args.split_inputs
                                                    if args.convert and args.products == "s8" else None},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)

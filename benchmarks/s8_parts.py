@@ -67,14 +67,17 @@ def split_parts(x: jax.Array, parts: int, block_m: int, rows: int) -> tuple[jax.
     return values, units.reshape(k // PART_INPUTS, -1)
 
 
-def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, row_bytes: int, inputs: int) -> str:
+def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, row_bytes: int, inputs: int,
+               gain: bool = False, rows: int = 0) -> str:
     """PTX of split_tile for one segment of `inputs` (4, 8 or 16) inputs a thread: thread t of the warpgroup takes
     segment t + 128 · segment of the tile (row, `inputs` inputs), its run's largest |x| by shuffles among the
     128 / inputs threads of the run, the parts digit by digit ((q + 128) >> 8 is the next digit's q), each part's
     `inputs` bytes stored at their swizzled place (128-byte rows in tiles of 8 rows × 128 inputs, the 16-byte chunk
     index xor the row), the unit by the run's first thread. Fewer inputs a thread: a shorter chain a thread (what a
     converter on the critical path wants), more segments for the same tile. Operands: $0 the thread, $1 $2 $3 the
-    shared addresses of the tile (rows row_bytes apart), the parts and the units."""
+    shared addresses of the tile (rows row_bytes apart), the parts and the units. With `gain`, $4 and $5 are those
+    of a gain [block_k] float32 and of sums of squares [rows] float32: each input is multiplied by its gain before
+    the split, and the squares of each of the first `rows` rows' inputs (as they came) are added into its sum."""
     per_row = block_k // inputs  # segments a row
     per_run = PART_INPUTS // inputs  # threads a run
     words = inputs // 4
@@ -96,8 +99,23 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
             st.shared{vec}.b32 [pa], {"{" + ws + "}" if words > 1 else ws};""")
         if j < parts - 1:
             stores.append("\n".join(f"add.s32 q{i}, q{i}, 128; shr.s32 q{i}, q{i}, 8;" for i in range(inputs)))
+    gain_code = ""
+    if gain:
+        gain_loads = "\n".join(f"ld.shared.v4.f32 {{g{4 * i}, g{4 * i + 1}, g{4 * i + 2}, g{4 * i + 3}}}, [ga+{16 * i}];"
+                                for i in range(words))
+        squares = "\n".join(f"fma.rn.f32 ss, v{i}, v{i}, ss;" for i in range(1, inputs))
+        gained = "\n".join(f"mul.f32 v{i}, v{i}, g{i};" for i in range(inputs))
+        gain_code = f"""mad.lo.u32 ga, c, {4 * inputs}, $4;
+        {gain_loads}
+        mul.f32 ss, v0, v0;
+        {squares}
+        setp.lt.u32 p, row, {rows};
+        mad.lo.u32 ga, row, 4, $5;
+        @p red.shared.add.f32 [ga], ss;
+        {gained}"""
     return f"""{{
-        .reg .u32 seg, row, c, run, idx, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, w<{words}>;
+        .reg .u32 seg, row, c, run, idx, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, ga, w<{words}>;
+        .reg .f32 g<{inputs}>, ss;
         .reg .f32 v<{inputs}>, a, m, m2, inv;
         .reg .s32 q<{inputs}>;
         .reg .pred p;
@@ -109,6 +127,7 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
         mad.lo.u32 xa, row, {row_bytes}, $1;
         mad.lo.u32 xa, c, {4 * inputs}, xa;
         {loads}
+        {gain_code}
         abs.f32 m, v0;
         {top}
         {shuffles}
@@ -146,12 +165,16 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
         }}"""
 
 
-def split_tile(raw, parts_ref, units_ref, *, parts: int, inputs: int = 16, rows: int | None = None) -> None:
+def split_tile(raw, parts_ref, units_ref, *, parts: int, inputs: int = 16, rows: int | None = None, gain=None,
+               squares=None) -> None:
     """The activation tile raw [block_m, >= block_k] float32 (shared memory, untiled; its rows' first block_k) -> its
     int8 parts parts_ref [parts · block_m, block_k] (tiled + swizzled for wgmma) and units_ref [block_k // PART_INPUTS,
     cols] (untiled), as split_parts would make them, by the warpgroup that calls it: `inputs` inputs a thread
     (4, 8 or 16), in inline PTX (_split_ptx). `rows`: split only the tile's first rows (rounded up to what a pass of
-    the warpgroup covers); the parts of the others are left as they were. On the chip only."""
+    the warpgroup covers); the parts of the others are left as they were. `gain` [block_k] float32 and `squares`
+    [>= rows] float32 (shared memory, both or neither): the inputs are multiplied by the gain before the split (an
+    RMS norm's gain), and the squares of each of the first `rows` rows' inputs, before it, are added into its
+    entry of `squares` (for the norm's 1/rms, which multiplies the product's output instead). On the chip only."""
     block_k = parts_ref.shape[-1]
     block_m = parts_ref.shape[-2] // parts
     if raw.shape[0] != block_m or raw.shape[1] < block_k:
@@ -166,18 +189,23 @@ def split_tile(raw, parts_ref, units_ref, *, parts: int, inputs: int = 16, rows:
 
     swizzled = plgpu.RefType(transforms=(plgpu.TilingTransform((8, PART_INPUTS)), plgpu.SwizzleTransform(128)))
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, plgpu.RefType()))
-    def split(ctx, raw, parts_ref, units_ref):
+    if (gain is None) != (squares is None):
+        raise ValueError("split_tile takes a gain and a sum of squares together, or neither")
+    extra = () if gain is None else (gain, squares)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), swizzled, plgpu.RefType()) + (plgpu.RefType(),) * len(extra))
+    def split(ctx, raw, parts_ref, units_ref, *more):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
-        address = [llvm.ptrtoint(i32, mgpu_utils.memref_ptr(r)) for r in (raw, parts_ref, units_ref)]
+        address = [llvm.ptrtoint(i32, mgpu_utils.memref_ptr(r)) for r in (raw, parts_ref, units_ref, *more)]
         thread = arith.andi(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mgpu_utils.c(127, i32))
         for segment in range(segments):
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [thread, *address],
-                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1], row_bytes, inputs),
-                            "r,r,r,r", has_side_effects=True)
+                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1], row_bytes, inputs,
+                                       gain=bool(more), rows=rows or block_m),
+                            ",".join("r" * (4 + len(more))), has_side_effects=True)
 
-    split(raw, parts_ref, units_ref)
+    split(raw, parts_ref, units_ref, *extra)
 
 
 def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of, *,
@@ -221,23 +249,27 @@ def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, 
 
 
 
-def check(inputs: int) -> None:
+def check(inputs: int, gained: bool = False) -> None:
     """On the chip: split_tile against split_parts, and ring_product_parts against float64, on activations over
-    six decades (one row of 1e4s, one of 1e-2s) and random int8 weights. Prints the errors; raises if they pass
-    the bounds split_parts states."""
+    six decades (one row of 1e4s, one of 1e-2s) and random int8 weights; with `gained`, the inputs times a gain and
+    each row's sum of squares too. Prints the errors; raises if they pass the bounds split_parts states."""
     import numpy as np
 
     block_m, block_k, parts = 8, 256, PARTS
     swizzled = (plgpu.TilingTransform((8, PART_INPUTS)), plgpu.SwizzleTransform(128))
 
-    def body(x_ref, w_ref, parts_ref, units_ref, o_ref, raw, w_smem, x_smem, e_smem, o_smem, bar, tile_bar, free_bar):
+    def body(x_ref, w_ref, g_ref, z_ref, parts_ref, units_ref, o_ref, sq_ref, raw, w_smem, x_smem, e_smem, o_smem,
+             g_smem, sq_smem, bar, tile_bar, free_bar):
         for r in range(block_m):  # a row at a time, as the megakernel stages its batch's rows
             for half in range(2):  # (a copy moves at most 256 along a dimension)
                 at = (pl.ds(r, 1), pl.ds(half * block_k, block_k))
                 plgpu.copy_gmem_to_smem(x_ref.at[at], raw.at[at], bar)
         plgpu.copy_gmem_to_smem(w_ref, w_smem.at[0], bar)
+        plgpu.copy_gmem_to_smem(g_ref, g_smem, bar)
+        plgpu.copy_gmem_to_smem(z_ref, sq_smem, bar)
         plgpu.barrier_wait(bar)
-        split_tile(raw, x_smem.at[0], e_smem.at[0], parts=parts, inputs=inputs)
+        split_tile(raw, x_smem.at[0], e_smem.at[0], parts=parts, inputs=inputs,
+                   **({"gain": g_smem, "squares": sq_smem} if gained else {}))
         plgpu.commit_smem()
         plgpu.barrier_arrive(tile_bar.at[0])
         acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, pl.ds(0, qmm_gpu.ROWS), 0, 1,
@@ -247,6 +279,7 @@ def check(inputs: int) -> None:
         plgpu.copy_smem_to_gmem(x_smem.at[0], parts_ref)
         plgpu.copy_smem_to_gmem(e_smem.at[0], units_ref)
         plgpu.copy_smem_to_gmem(o_smem.at[0], o_ref)
+        plgpu.copy_smem_to_gmem(sq_smem, sq_ref)
         plgpu.wait_smem_to_gmem(0)
 
     cols = unit_columns(block_m)
@@ -254,37 +287,48 @@ def check(inputs: int) -> None:
         body,
         out_type=(jax.ShapeDtypeStruct((parts * block_m, block_k), jnp.int8),
                   jax.ShapeDtypeStruct((block_k // PART_INPUTS, cols), jnp.float32),
-                  jax.ShapeDtypeStruct((block_m, qmm_gpu.ROWS), jnp.float32)),
+                  jax.ShapeDtypeStruct((block_m, qmm_gpu.ROWS), jnp.float32),
+                  jax.ShapeDtypeStruct((32,), jnp.float32)),  # (a copy moves a multiple of 128 bytes)
         scratch_types=(
             plgpu.SMEM((block_m, 2 * block_k), jnp.float32),  # rows as the megakernel's staging holds them
             plgpu.SMEM((1, 2 * qmm_gpu.ROWS, block_k), jnp.int8, transforms=swizzled),
             plgpu.SMEM((1, parts * block_m, block_k), jnp.int8, transforms=swizzled),
             plgpu.SMEM((1, block_k // PART_INPUTS, cols), jnp.float32),
             plgpu.SMEM((1, block_m, qmm_gpu.ROWS), jnp.float32),
-            plgpu.Barrier(num_arrivals=2 * block_m + 1),
+            plgpu.SMEM((block_k,), jnp.float32),
+            plgpu.SMEM((32,), jnp.float32),
+            plgpu.Barrier(num_arrivals=2 * block_m + 3),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
             plgpu.Barrier(num_arrivals=1, num_barriers=1),
         ))
-    key_x, key_w = jax.random.split(jax.random.PRNGKey(1))
+    key_x, key_w, key_g = jax.random.split(jax.random.PRNGKey(1), 3)
     x = jax.random.normal(key_x, (block_m, block_k), jnp.float32)
     x = x * jnp.asarray([1e4, 1e-2, 1, 1, 1, 1, 1, 1], jnp.float32)[:, None]
     w = jax.random.randint(key_w, (2 * qmm_gpu.ROWS, block_k), -127, 128, jnp.int32).astype(jnp.int8)
+    gain = jax.random.uniform(key_g, (block_k,), jnp.float32, 0.5, 2.0) if gained else jnp.ones(block_k, jnp.float32)
+    zeros = jnp.zeros(32, jnp.float32)
+    label = f"split_tile ({inputs} inputs a thread{', gained' if gained else ''})"
     if jax.default_backend() == "cpu":  # PTX: lower only
-        jax.jit(kernel).trace(jnp.concatenate([x, x], axis=1), w).lower(lowering_platforms=("cuda",))
-        return print("s8 parts check lowered for CUDA (no GPU here: nothing run)")
+        jax.jit(kernel).trace(jnp.concatenate([x, x], axis=1), w, gain, zeros).lower(lowering_platforms=("cuda",))
+        return print(f"{label} lowered for CUDA (no GPU here: nothing run)")
     staged = jnp.concatenate([x, jnp.full_like(x, 1e30)], axis=1)  # the split must read only each row's first block_k
-    got_parts, got_units, out = jax.jit(kernel)(staged, w)
-    want_parts, want_units = split_parts(x, parts, block_m, block_m)
+    got_parts, got_units, out, squares = jax.jit(kernel)(staged, w, gain, zeros)
+    squares = squares[:block_m]
+    xg = x * gain
+    want_parts, want_units = split_parts(xg, parts, block_m, block_m)
     parts_equal = bool(jnp.all(got_parts == want_parts))
     units_equal = bool(jnp.all(got_units[:, :block_m] == want_units[:, :block_m]))
-    exact = np.asarray(x, np.float64) @ np.asarray(w[:qmm_gpu.ROWS], np.float64).T  # [block_m, 64]
+    exact = np.asarray(xg, np.float64) @ np.asarray(w[:qmm_gpu.ROWS], np.float64).T  # [block_m, 64]
     rel = np.abs(np.asarray(out, np.float64) - exact).max(axis=1) / np.abs(exact).max(axis=1)
-    print(f"split_tile ({inputs} inputs a thread) == split_parts: parts {parts_equal}, units {units_equal}; products' largest error a row, "
-          f"relative to the row's largest: {rel.max():.2e}", flush=True)
-    if not (parts_equal and units_equal and rel.max() < 1e-5):
+    want_squares = (np.asarray(x, np.float64) ** 2).sum(axis=1)
+    squares_rel = np.abs(np.asarray(squares, np.float64) - want_squares).max() / want_squares.max() if gained else 0.0
+    print(f"{label} == split_parts: parts {parts_equal}, units {units_equal}; products' largest error a row, relative "
+          f"to the row's largest: {rel.max():.2e}" + (f"; sums of squares {squares_rel:.1e}" if gained else ""),
+          flush=True)
+    if not (parts_equal and units_equal and rel.max() < 1e-5 and squares_rel < 1e-5):
         raise SystemExit("s8 parts check failed")
 
 
 if __name__ == "__main__":
-    for n in (16, 4):
-        check(n)
+    for n, gained in ((16, False), (4, False), (4, True)):
+        check(n, gained)
