@@ -60,7 +60,13 @@ from jaxserve.config import QuantConfig  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.weights import random_weights  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
-from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms  # noqa: E402
+from pallas_kernels.flash_attention.mosaic_gpu import (  # noqa: E402
+    mma_transforms,
+    mma_transposed,
+    online_softmax,
+    with_layout,
+)
+from pallas_kernels.paged_attention.mosaic_gpu import mma_values_transposed  # noqa: E402
 from pallas_kernels.quantized_layer.mosaic_gpu import _load_t  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 
@@ -69,6 +75,8 @@ ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a d
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
+LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
+P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
@@ -123,7 +131,7 @@ def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
                products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1, split_inputs: int = 4,
-               numerics: bool = False):
+               numerics: bool = False, attention: str = "stand-in"):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
@@ -153,7 +161,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     converter multiplies gate and up by that sum's 1/rms (a number a row); each piece is multiplied by its rows'
     per-channel scales, copied in by its compute warpgroup as its fragment starts. A timing trial: the sums of
     squares are never reset (the real kernel resets them a phase), and attention's q is not scaled (the stand-in
-    has no q). Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product."""
+    has no q). Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
+    (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
+    from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
+    blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
+    K·qᵀ by wgmma, an online softmax, and Vᵀ·P by wgmma, all by compute warpgroup 0 (1 only waits for and hands back
+    the slots); the head's [rows, 128] output stored to the phase's sums. Not done: the rotation of k and the new
+    K/V written to a cache, and 1/rms on q."""
     trials = set(filter(None, trial.split(",")))
     unknown = trials - set(TRIALS)
     if unknown:
@@ -165,6 +179,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     x_wg = 4 if convert else 3  # the activations' warpgroup, after the converter if there is one
     warpgroups = 3 + convert + x_warpgroup
     parts = convert and products == "s8"  # the converter splits the sums into int8 parts (s8_parts.split_tile)
+    if attention not in ("stand-in", "real"):
+        raise ValueError(f"attention must be 'stand-in' or 'real', got {attention!r}")
+    real_attention = attention == "real"
+    if real_attention and (not parts or "x-load" in trials):
+        raise ValueError("real attention is for --products s8 --convert without x-load (its converter makes q "
+                         "from sums the producer stages)")
     if numerics and not parts:
         raise ValueError("numerics is for --products s8 --convert (the converter's split takes the gains)")
     if "no-split" in trials and not parts:
@@ -227,10 +247,11 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     def body(*refs):
         w_refs, kv_ref = refs[:4], refs[4]
         b_refs, z_ref = refs[5:6 + last], refs[6 + last]
-        g_ref, s_refs = refs[7 + last], dict(zip(PRODUCTS, refs[8 + last:12 + last]))
-        o_refs = refs[12 + last:13 + 2 * last]
-        (w_smem, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
-         sq_smem, sc_smem, sc_bar) = refs[13 + 2 * last:]
+        g_ref, s_refs, cs_ref = refs[7 + last], dict(zip(PRODUCTS, refs[8 + last:12 + last])), refs[12 + last]
+        o_refs = refs[13 + last:14 + 2 * last]
+        (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
+         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem) = refs[14 + 2 * last:]
+        w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
         # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
@@ -294,6 +315,16 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                         tile_bar.at[slot])
                 return
             src_j, src_layer, col, width = inputs_of(layer, j, u)
+            if real_attention and phases[j].name == "attn":  # the head's q sums and each row's cos | sin, once
+                @pl.when(u == runs[j][0])
+                def _():
+                    plgpu.copy_gmem_to_smem(
+                        o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col, cfg.head_dim)],
+                        xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(0, cfg.head_dim)], stage_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(cs_ref.at[pl.ds(0, out_rows)],
+                                            xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(BLOCK_K, cfg.head_dim)],
+                                            stage_bar.at[slot])
+                return
             if numerics and phases[j].name in NORMED:  # the sums in one copy, the norm's gain in the other
                 plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col, width)],
                                         xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(0, width)], stage_bar.at[slot])
@@ -331,6 +362,22 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                     action="increase" if converter_registers > launch else "decrease")
 
             def unit(layer, j, u, slot):
+                if real_attention and phases[j].name == "attn":  # q, rotated, in bfloat16 (once a head)
+                    @pl.when(u == runs[j][0])
+                    def _():
+                        plgpu.barrier_wait(stage_bar.at[slot])
+                        half = cfg.head_dim // 2
+
+                        def staged(at):
+                            return _load_t(xs_smem.at[slot, :, pl.ds(at, half)])
+                        lo, hi = staged(0), staged(half)
+                        cos, sin = staged(BLOCK_K), staged(BLOCK_K + half)
+                        for at, v in ((0, lo * cos - hi * sin), (half, hi * cos + lo * sin)):
+                            qmm_gpu.store_transposed(v, q_smem.at[pl.ds(0, COLS), pl.ds(at, half)], interpreted=False)
+                        plgpu.commit_smem()
+
+                    plgpu.barrier_arrive(tile_bar.at[slot])
+                    return
                 if x_load:  # the sums by this warpgroup's own (coalesced) loads, a row at a time, into the staging
                     wait_inputs(layer, j, u)
                     src_j, src_layer, col, width = inputs_of(layer, j, u)
@@ -411,7 +458,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
-                plgpu.copy_gmem_to_smem(weight_src(layer, j, u), w_smem.at[slot], tile_bar.at[slot])
+                if real_attention and phases[j].name == "attn":  # K, V, K, V blocks into the slot's bfloat16 views
+                    src = weight_src(layer, j, u)
+                    is_k = lax.rem(u - runs[j][0], 2) == 0
+                    pl.when(is_k)(lambda: plgpu.copy_gmem_to_smem(src, k_view.at[slot], tile_bar.at[slot]))
+                    pl.when(~is_k)(lambda: plgpu.copy_gmem_to_smem(src, v_view.at[slot], tile_bar.at[slot]))
+                else:
+                    plgpu.copy_gmem_to_smem(weight_src(layer, j, u), w_smem.at[slot], tile_bar.at[slot])
                 if prefetch:
                     prefetch_step(g + prefetch)
 
@@ -480,6 +533,51 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
             plgpu.semaphore_wait(zeroed, epoch * programs, decrement=False, memory_scope="gpu")
 
+            def attend(layer, j, begin, g0):  # real attention: a head's 4 units, K, V, K, V, by warpgroup 0
+                def slot_of(u):
+                    return lax.rem(g0 + u - begin, stages)
+
+                @pl.when(wg == 0)
+                def _():
+                    col_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(0), interpreted=False)
+                    queries = q_smem.shape[0]
+                    m = col_vec(jnp.full((queries,), -1e30, jnp.float32))
+                    denom = col_vec(jnp.zeros((queries,), jnp.float32))
+                    acc = with_layout(jnp.zeros((cfg.head_dim, queries), jnp.float32), plgpu.Layout.WGMMA,
+                                      interpreted=False)
+                    for blk in range(CONTEXT // BLOCK_N):
+                        k_slot, v_slot = slot_of(begin + 2 * blk), slot_of(begin + 2 * blk + 1)
+                        plgpu.barrier_wait(tile_bar.at[k_slot])
+                        scores = mma_transposed(k_view.at[k_slot], q_smem, interpreted=False)  # [keys, queries]
+                        plgpu.barrier_arrive(free_bar.at[k_slot])
+                        probs, m, denom, alpha = online_softmax(scores, m, denom, cfg.head_dim ** -0.5 * LOG2E,
+                                                                      axis=0)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                        p_smem[...] = probs.astype(p_smem.dtype)
+                        plgpu.commit_smem()
+                        plgpu.barrier_wait(tile_bar.at[v_slot])
+                        acc = mma_values_transposed(acc, v_view.at[v_slot], p_smem, interpreted=False)
+                        plgpu.barrier_arrive(free_bar.at[v_slot])
+                    out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [1])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for at in range(0, cfg.head_dim, qmm_gpu.ROWS):
+                        qmm_gpu.store_transposed(out[at:at + qmm_gpu.ROWS], ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)],
+                                                 interpreted=False)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(ao_smem.at[pl.ds(0, out_rows)],
+                                            o_refs[phases[j].out].at[layer, pl.ds(0, out_rows),
+                                                                     pl.ds(p * cfg.head_dim, cfg.head_dim)])
+                    plgpu.wait_smem_to_gmem(0)
+
+                @pl.when(wg == 1)
+                def _():  # the other compute warpgroup hands the slots back
+                    for i in range(2 * CONTEXT // BLOCK_N):
+                        plgpu.barrier_wait(tile_bar.at[slot_of(begin + i)])
+                        plgpu.barrier_arrive(free_bar.at[slot_of(begin + i)])
+
+                plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[phases[j].out] + p], 1,
+                                       memory_scope="gpu")
+
             def layer_body(layer, carry):
                 for j, ph in enumerate(phases):
                     begin, end = runs[j]
@@ -523,6 +621,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[ph.out] + ph.tile0 + tile], 1,
                                                    memory_scope="gpu")
 
+                    if real_attention and ph.name == "attn":
+                        pl.when(begin < end)(functools.partial(attend, layer, j, begin, g0))
+                        continue
                     first_tile = lax.div(begin, ph.steps)
                     for f in range(ph.fragments):
                         fragment(first_tile + f)
@@ -539,13 +640,19 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 plgpu.semaphore_signal(calls, 1, memory_scope="gpu")
 
     int8_swizzle = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+    ring_type = plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle)
+    if real_attention:  # the same slots as bfloat16 K (128-byte swizzle) and V (32-byte swizzle, as P's) blocks
+        ring_type = plgpu.RefUnion(ring_type,
+                                   plgpu.SMEM((stages, BLOCK_N, cfg.head_dim), jnp.bfloat16,
+                                              transforms=mma_transforms(jnp.bfloat16)),
+                                   plgpu.SMEM((stages, BLOCK_N, cfg.head_dim), jnp.bfloat16, transforms=P_SWIZZLE))
     x_dtype = jnp.float16 if products == "float16" else jnp.int8
     x_transforms = mma_transforms(jnp.float16) if products == "float16" else int8_swizzle
     kernel = plgpu.kernel(
         body,
         out_type=tuple(jax.ShapeDtypeStruct((layers, COLS, n), jnp.float32) for n in widths),
         scratch_types=(
-            plgpu.SMEM((stages, BLOCK_N, BLOCK_K), jnp.int8, transforms=int8_swizzle),
+            ring_type,
             plgpu.SMEM((stages, PARTS * COLS if parts else COLS, BLOCK_K), x_dtype, transforms=x_transforms),
             plgpu.SMEM((2, COLS, qmm_gpu.ROWS), jnp.float32),
             plgpu.SMEM((COLS, qmm_gpu.ROWS), jnp.float32),
@@ -560,20 +667,27 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((32,), jnp.float32),  # each row's sum of squares (numerics)
             plgpu.SMEM((2, qmm_gpu.ROWS), jnp.float32),  # each compute warpgroup's rows' scales (numerics)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.SMEM((16, cfg.head_dim) if real_attention else (8, 64), jnp.bfloat16,  # q (real attention)
+                       transforms=mma_transforms(jnp.bfloat16)),
+            plgpu.SMEM((BLOCK_N, 16) if real_attention else (8, 16), jnp.bfloat16, transforms=P_SWIZZLE),  # P
+            plgpu.SMEM((16, cfg.head_dim) if real_attention else (1, 32), jnp.float32),  # the head's output
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
     return kernel, phases
 
 
-def inputs(cfg, layers: int, phases, key, products: str = "s8") -> list:
-    """The kernel's inputs: weights, K/V, each phase's stand-in B, zeros, the norms' gains and the products' scales."""
+def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in") -> list:
+    """The kernel's inputs: weights, K/V, each phase's stand-in B, zeros, the norms' gains, the products' scales, and
+    each row's RoPE cos | sin [COLS, head_dim] (real attention)."""
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
     kv_steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
     kv = jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
                             jnp.int32).astype(jnp.int8)
+    if attention == "real":  # the same bytes as bfloat16 blocks of [128 positions, head_dim]
+        kv = jax.random.normal(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, cfg.head_dim), jnp.bfloat16)
     ks = [next(ph.k for ph in phases if ph.out == out) for out in range(phases[-1].out + 1)]  # each phase's inputs
     if products == "float16":
         bs = [jax.random.normal(key, (COLS, k), jnp.float32).astype(jnp.float16) for k in ks]
@@ -581,7 +695,9 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8") -> list:
         bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for k in ks]
     gains = jax.random.uniform(key, (layers, len(NORMED), cfg.hidden_size), jnp.float32, 0.5, 2.0)
     scales = [jax.random.uniform(key, (layers * shapes[name][0],), jnp.float32, 1e-3, 2e-3) for name in PRODUCTS]
-    return [*weights, kv, *bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, *scales]
+    angles = CONTEXT * 10000.0 ** (-jnp.arange(cfg.head_dim // 2) / (cfg.head_dim // 2))  # RoPE at the position
+    cos_sin = jnp.tile(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)])[None], (COLS, 1)).astype(jnp.float32)
+    return [*weights, kv, *bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, *scales, cos_sin]
 
 
 def main() -> None:
@@ -597,6 +713,7 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=1, help="each product in split x split blocks (see plan)")
     ap.add_argument("--split-inputs", type=int, default=4, choices=[4, 8, 16],
                     help="inputs a converter thread splits into parts (--products s8 --convert)")
+    ap.add_argument("--attention", default="stand-in", choices=["stand-in", "real"], help="see megakernel")
     ap.add_argument("--numerics", action="store_true",
                     help="the norms' gains and 1/rms and the products' scales (--products s8 --convert; see megakernel)")
     ap.add_argument("--served", action="store_true",
@@ -611,9 +728,10 @@ def main() -> None:
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
-                                args.convert, args.prefetch, args.split, args.split_inputs, args.numerics)
+                                args.convert, args.prefetch, args.split, args.split_inputs, args.numerics,
+                                args.attention)
     key = jax.random.PRNGKey(0)
-    args_in = inputs(cfg, args.layers, phases, key, args.products)
+    args_in = inputs(cfg, args.layers, phases, key, args.products, args.attention)
     weights = args_in[:len(PRODUCTS)]
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
@@ -640,7 +758,7 @@ def main() -> None:
             f"before numerics; copy {copy / 1e9:.0f} GB/s")
     label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} split={args.split} "
              f"prefetch={args.prefetch} {f'split_inputs={args.split_inputs} ' if args.convert else ''}"
-             f"{'numerics ' if args.numerics else ''}trial={args.trial or '-'}")
+             f"{'numerics ' if args.numerics else ''}attention={args.attention} trial={args.trial or '-'}")
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
@@ -648,6 +766,7 @@ def main() -> None:
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
                                                    "split": args.split, "numerics": args.numerics,
+                                                   "attention": args.attention,
                                                    "split_inputs": args.split_inputs
                                                    if args.convert and args.products == "s8" else None},
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
