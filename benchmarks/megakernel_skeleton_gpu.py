@@ -248,9 +248,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         w_refs, kv_ref = refs[:4], refs[4]
         b_refs, z_ref = refs[5:6 + last], refs[6 + last]
         g_ref, s_refs, cs_ref = refs[7 + last], dict(zip(PRODUCTS, refs[8 + last:12 + last])), refs[12 + last]
-        o_refs = refs[13 + last:14 + 2 * last]
+        x0_ref = refs[13 + last]
+        o_refs = refs[14 + last:15 + 2 * last]
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
-         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem) = refs[14 + 2 * last:]
+         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem) = refs[15 + 2 * last:]
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
@@ -325,17 +326,23 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                             xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(BLOCK_K, cfg.head_dim)],
                                             stage_bar.at[slot])
                 return
+            def stage(at, w):  # sums [out_rows, w] from column col + at into the staging's columns at
+                dst = xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, w)]
+                src = o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, w)]
+                if phases[j].out:
+                    return plgpu.copy_gmem_to_smem(src, dst, stage_bar.at[slot])
+                # qkv: layer 0 reads the step's input x0, the others the layer before's down sums
+                pl.when(layer == 0)(lambda: plgpu.copy_gmem_to_smem(x0_ref.at[pl.ds(0, out_rows), pl.ds(col + at, w)],
+                                                                    dst, stage_bar.at[slot]))
+                pl.when(layer > 0)(lambda: plgpu.copy_gmem_to_smem(src, dst, stage_bar.at[slot]))
+
             if numerics and phases[j].name in NORMED:  # the sums in one copy, the norm's gain in the other
-                plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col, width)],
-                                        xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(0, width)], stage_bar.at[slot])
+                stage(0, width)
                 plgpu.copy_gmem_to_smem(g_ref.at[layer, NORMED.index(phases[j].name), pl.ds(k_of(j, u), BLOCK_K)],
                                         g_smem.at[slot], stage_bar.at[slot])
                 return
             for half in range(2):  # (a copy moves at most 256 along a dimension)
-                at = half * width // 2
-                plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, width // 2)],
-                                        xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, width // 2)],
-                                        stage_bar.at[slot])
+                stage(half * width // 2, width // 2)
 
         def each_unit(work):  # work(layer, block, unit, slot) for this program's units, each once its slot is free
             def unit(layer, j, u):
@@ -679,7 +686,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
 def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in") -> list:
     """The kernel's inputs: weights, K/V, each phase's stand-in B, zeros, the norms' gains, the products' scales, and
-    each row's RoPE cos | sin [COLS, head_dim] (real attention)."""
+    each row's RoPE cos | sin [COLS, head_dim] (real attention), and the step's input x0 [COLS, d] (what layer 0's
+    qkv reads, with `convert`)."""
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
@@ -697,7 +705,8 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str =
     scales = [jax.random.uniform(key, (layers * shapes[name][0],), jnp.float32, 1e-3, 2e-3) for name in PRODUCTS]
     angles = CONTEXT * 10000.0 ** (-jnp.arange(cfg.head_dim // 2) / (cfg.head_dim // 2))  # RoPE at the position
     cos_sin = jnp.tile(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)])[None], (COLS, 1)).astype(jnp.float32)
-    return [*weights, kv, *bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, *scales, cos_sin]
+    x0 = jax.random.normal(key, (COLS, cfg.hidden_size), jnp.float32)
+    return [*weights, kv, *bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, *scales, cos_sin, x0]
 
 
 def main() -> None:
@@ -716,6 +725,9 @@ def main() -> None:
     ap.add_argument("--attention", default="stand-in", choices=["stand-in", "real"], help="see megakernel")
     ap.add_argument("--numerics", action="store_true",
                     help="the norms' gains and 1/rms and the products' scales (--products s8 --convert; see megakernel)")
+    ap.add_argument("--check", action="store_true",
+                    help="(--products s8 --convert) check layer 0's qkv sums and, with --attention real, its attention "
+                         "output against numpy, then time")
     ap.add_argument("--served", action="store_true",
                     help="also time, in this process, the served batch-1 step: bfloat16 (the baseline) and int8's "
                          "cost outside the layers, for the step this skeleton would give (see served_steps)")
@@ -744,6 +756,11 @@ def main() -> None:
         mega_fn.trace(*args_in).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
+    if args.check:
+        if not (args.products == "s8" and args.convert):
+            ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
+        check_layer0(cfg, args_in, jax.block_until_ready(mega_fn(*args_in)), args.rows, args.numerics,
+                     args.attention == "real")
     copy = copy_bandwidth_device()
     mega = device_seconds(mega_fn, args_in, reps=5)
     base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
@@ -775,6 +792,46 @@ def main() -> None:
         served_steps(cfg, per_layer, args.out, {"layers": args.layers, "stages": args.stages, "session": 29,
                                                 "products": args.products, "convert": args.convert,
                                                 "trial": args.trial or None})
+
+
+def check_layer0(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
+    """Layer 0's qkv sums (and with real attention its attention output) from the kernel against float64 numpy of
+    the same math: x0 times the attention norm's gain (numerics), times the int8 weights, times the scales
+    (numerics); a head's q rotated, in bfloat16, against its kv head's K and V blocks (K, V, K, V of 128 positions).
+    Raises SystemExit if either is off by more than its bound."""
+    import numpy as np
+
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    wqkv, kv, gains, scales, cos_sin, x0 = (args_in[0], args_in[4], args_in[11], args_in[12], args_in[16],
+                                             args_in[17])
+    n = wqkv.shape[0] // len(outs[0])
+    x = f64(x0)[:rows] * (f64(gains)[0, 0] if numerics else 1.0)
+    want = x @ f64(wqkv[:n]).T * (f64(scales)[:n] if numerics else 1.0)
+    got = f64(outs[0])[0, :rows]
+    qkv_err = np.abs(got - want).max() / np.abs(want).max()
+    line = f"check, layer 0: qkv sums {qkv_err:.1e} of their largest"
+    ok = qkv_err < 1e-5
+    if real_attention:
+        hd, half = cfg.head_dim, cfg.head_dim // 2
+        cos, sin = f64(cos_sin)[:rows, :half], f64(cos_sin)[:rows, half:]
+        blocks = f64(kv).reshape(-1, 2 * CONTEXT // BLOCK_N, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
+        errs = []
+        for head in range(cfg.num_heads):
+            q = got[:, head * hd:(head + 1) * hd]
+            q = np.concatenate([q[:, :half] * cos - q[:, half:] * sin, q[:, half:] * cos + q[:, :half] * sin], 1)
+            q = f64(jnp.asarray(q, jnp.bfloat16))
+            kv_head = blocks[head // (cfg.num_heads // cfg.num_kv_heads)]
+            k, v = kv_head[0::2].reshape(-1, hd), kv_head[1::2].reshape(-1, hd)
+            s = q @ k.T / np.sqrt(hd)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            o = p @ v / p.sum(axis=1, keepdims=True)
+            o_got = f64(outs[1])[0, :rows, head * hd:(head + 1) * hd]
+            errs.append(np.abs(o_got - o).max() / np.abs(o).max())
+        line += f"; attention outputs {max(errs):.1e} of their largest (bfloat16 q and P)"
+        ok = ok and max(errs) < 3e-2
+    print(line, flush=True)
+    if not ok:
+        raise SystemExit("megakernel skeleton check failed")
 
 
 def served_steps(cfg, per_layer: float, out: str, config: dict, steps: int = 100, reps: int = 3,
