@@ -157,11 +157,11 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     `split_inputs`: inputs a converter thread splits (s8 `convert`; 16 is session 22's form, 4 a shorter chain), only
     the batch's rows (`out_rows`). `numerics` (s8 `convert`): the work of the norms and the scales, on stand-in
     values: qkv's and gate_up's units have their norm's gain staged beside their sums (one copy of 256 sums and one
-    of 256 gains) and the split multiplies by it and adds each row's squares into a sum of the program's; down's
-    converter multiplies gate and up by that sum's 1/rms (a number a row); each piece is multiplied by its rows'
-    per-channel scales, copied in by its compute warpgroup as its fragment starts. A timing trial: the sums of
-    squares are never reset (the real kernel resets them a phase), and attention's q is not scaled (the stand-in
-    has no q). Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
+    of 256 gains) and the split multiplies by it; gate_up's first 16 units of a program's run (every input step
+    once: runs are longer) add each row's squares into the program's sum for the layer, from which down's converter
+    multiplies gate and up by 1/rms (a number a row); each piece is multiplied by its rows' per-channel scales,
+    copied in by its compute warpgroup as its fragment starts. Attention's q is not scaled by its 1/rms, and no
+    residual is added (the sums land in zeroed buffers). Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
     (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
     from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
     blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
@@ -187,6 +187,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                          "from sums the producer stages)")
     if numerics and not parts:
         raise ValueError("numerics is for --products s8 --convert (the converter's split takes the gains)")
+    if numerics and split != 1:
+        raise ValueError(f"numerics sums a row's squares over a program's gate_up units of every input step: split "
+                         f"must be 1, got {split}")
+    short = [ph for ph in plan(cfg, programs) if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
+    if numerics and short:
+        raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
+                         f"of {short[0].units // programs} units at {programs} programs are shorter")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -399,11 +406,21 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 def sums(at):
                     return xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)]
                 if parts and phases[j].name != "w_down":  # the staged sums are the activations: split in place
+                    if numerics and j == 0:
+                        @pl.when(u == runs[0][0])
+                        def _():  # a layer's first unit: its MLP's sums of squares start from zero
+                            zeros = jnp.zeros((128,), jnp.float32)
+                            sq_smem.at[lax.rem(layer, 2)][...] = plgpu.layout_cast(
+                                zeros, plgpu.Layout.WG_STRIDED((128,), vec_size=1))
                     if "no-split" not in trials:
                         normed = numerics and phases[j].name in NORMED
+                        # gate_up: the first `steps` units of a run hold each of the 16 input steps once (a run is
+                        # longer), so their squares make the row's whole sum; the others' go to an unread row
+                        first_sight = (u - runs[j][0] < phases[j].steps) & (phases[j].name == "w_gate_up")
+                        squares = sq_smem.at[jnp.where(first_sight, lax.rem(layer, 2), 2)]
                         split_tile(xs_smem.at[slot], x_smem.at[slot], e_smem.at[slot], parts=PARTS,
                                    inputs=split_inputs, rows=out_rows,
-                                   **({"gain": g_smem.at[slot], "squares": sq_smem} if normed else {}))
+                                   **({"gain": g_smem.at[slot], "squares": squares} if normed else {}))
                     plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                     plgpu.barrier_arrive(tile_bar.at[slot])
                     return
@@ -413,7 +430,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         gate = _load_t(sums(at))
                         up = _load_t(sums(at + BLOCK_N))
                         if numerics:  # both times the mlp norm's 1/rms, a number a row
-                            sq = plgpu.load(sq_smem.at[pl.ds(0, COLS)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                            sq = plgpu.load(sq_smem.at[lax.rem(layer, 2), pl.ds(0, COLS)], (),
+                                            layout=plgpu.Layout.WGMMA.reduce(0))
                             inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + 1e-5),
                                                        gate.shape, [1])
                             gate, up = gate * inv, up * inv
@@ -671,7 +689,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((stages if parts else 1, BLOCK_K // PART_INPUTS, unit_columns(COLS)), jnp.float32),  # units
             plgpu.SMEM((COLS, BLOCK_K if parts else 8), jnp.float32),  # the converter's activations, to be split
             plgpu.SMEM((stages if numerics else 1, BLOCK_K), jnp.float32),  # a unit's gains (numerics)
-            plgpu.SMEM((32,), jnp.float32),  # each row's sum of squares (numerics)
+            plgpu.SMEM((3, 128), jnp.float32),  # each row's sum of squares: the MLP's by layer parity, an unread row
             plgpu.SMEM((2, qmm_gpu.ROWS), jnp.float32),  # each compute warpgroup's rows' scales (numerics)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
             plgpu.SMEM((16, cfg.head_dim) if real_attention else (8, 64), jnp.bfloat16,  # q (real attention)
@@ -726,8 +744,8 @@ def main() -> None:
     ap.add_argument("--numerics", action="store_true",
                     help="the norms' gains and 1/rms and the products' scales (--products s8 --convert; see megakernel)")
     ap.add_argument("--check", action="store_true",
-                    help="(--products s8 --convert) check layer 0's qkv sums and, with --attention real, its attention "
-                         "output against numpy, then time")
+                    help="(--products s8 --convert) check layer 0's qkv sums and, with --attention real, every phase "
+                         "of layer 0 and layer 1's qkv against numpy (check_layers), then time")
     ap.add_argument("--served", action="store_true",
                     help="also time, in this process, the served batch-1 step: bfloat16 (the baseline) and int8's "
                          "cost outside the layers, for the step this skeleton would give (see served_steps)")
@@ -759,7 +777,7 @@ def main() -> None:
     if args.check:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
-        check_layer0(cfg, args_in, jax.block_until_ready(mega_fn(*args_in)), args.rows, args.numerics,
+        check_layers(cfg, args_in, jax.block_until_ready(mega_fn(*args_in)), args.rows, args.numerics,
                      args.attention == "real")
     copy = copy_bandwidth_device()
     mega = device_seconds(mega_fn, args_in, reps=5)
@@ -794,43 +812,62 @@ def main() -> None:
                                                 "trial": args.trial or None})
 
 
-def check_layer0(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
-    """Layer 0's qkv sums (and with real attention its attention output) from the kernel against float64 numpy of
-    the same math: x0 times the attention norm's gain (numerics), times the int8 weights, times the scales
-    (numerics); a head's q rotated, in bfloat16, against its kv head's K and V blocks (K, V, K, V of 128 positions).
-    Raises SystemExit if either is off by more than its bound."""
+def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
+    """Each phase's outputs of layer 0 (and layer 1's qkv) from the kernel against float64 numpy of the same math on
+    the kernel's own outputs of the phase before, so each phase is checked alone: a product is its inputs times the
+    norm's gain (qkv, gate_up; numerics), times the int8 weights, times the scales (numerics); attention rotates a
+    head's q, rounds it to bfloat16, and attends over its kv head's K and V blocks (K, V, K, V of 128 positions);
+    down's inputs are SiLU(gate · r) · up · r with r the 1/rms of wo's sums (numerics; else 1). No residuals, as
+    the kernel adds none. Without real attention only qkv is checked (the stand-in's outputs are no attention).
+    Raises SystemExit if any phase is off by more than its bound."""
     import numpy as np
 
-    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
-    wqkv, kv, gains, scales, cos_sin, x0 = (args_in[0], args_in[4], args_in[11], args_in[12], args_in[16],
-                                             args_in[17])
-    n = wqkv.shape[0] // len(outs[0])
-    x = f64(x0)[:rows] * (f64(gains)[0, 0] if numerics else 1.0)
-    want = x @ f64(wqkv[:n]).T * (f64(scales)[:n] if numerics else 1.0)
-    got = f64(outs[0])[0, :rows]
-    qkv_err = np.abs(got - want).max() / np.abs(want).max()
-    line = f"check, layer 0: qkv sums {qkv_err:.1e} of their largest"
-    ok = qkv_err < 1e-5
+    def f64(a):
+        return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+    weights = dict(zip(PRODUCTS, args_in[:len(PRODUCTS)]))
+    kv, gains, cos_sin, x0 = args_in[4], f64(args_in[11]), f64(args_in[16]), f64(args_in[17])
+    scales = dict(zip(PRODUCTS, args_in[12:16]))
+    layers = len(outs[0])
+    got = [f64(o)[:, :rows] for o in outs]  # each phase's [layers, rows, n]
+
+    def product(x, name, layer, gain=None):
+        n = weights[name].shape[0] // layers
+        if numerics and gain is not None:
+            x = x * gains[layer, gain]
+        y = x @ f64(weights[name][layer * n:(layer + 1) * n]).T
+        return y * f64(scales[name][layer * n:(layer + 1) * n]) if numerics else y
+
+    def error(phase, layer, want):
+        return np.abs(got[phase][layer] - want).max() / np.abs(want).max()
+
+    errors = {"qkv": (error(0, 0, product(x0[:rows], "wqkv", 0, 0)), 1e-5)}
     if real_attention:
         hd, half = cfg.head_dim, cfg.head_dim // 2
-        cos, sin = f64(cos_sin)[:rows, :half], f64(cos_sin)[:rows, half:]
+        cos, sin = cos_sin[:rows, :half], cos_sin[:rows, half:]
         blocks = f64(kv).reshape(-1, 2 * CONTEXT // BLOCK_N, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
-        errs = []
+        heads = []
         for head in range(cfg.num_heads):
-            q = got[:, head * hd:(head + 1) * hd]
+            q = got[0][0][:, head * hd:(head + 1) * hd]
             q = np.concatenate([q[:, :half] * cos - q[:, half:] * sin, q[:, half:] * cos + q[:, :half] * sin], 1)
             q = f64(jnp.asarray(q, jnp.bfloat16))
             kv_head = blocks[head // (cfg.num_heads // cfg.num_kv_heads)]
             k, v = kv_head[0::2].reshape(-1, hd), kv_head[1::2].reshape(-1, hd)
-            s = q @ k.T / np.sqrt(hd)
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            o = p @ v / p.sum(axis=1, keepdims=True)
-            o_got = f64(outs[1])[0, :rows, head * hd:(head + 1) * hd]
-            errs.append(np.abs(o_got - o).max() / np.abs(o).max())
-        line += f"; attention outputs {max(errs):.1e} of their largest (bfloat16 q and P)"
-        ok = ok and max(errs) < 3e-2
-    print(line, flush=True)
-    if not ok:
+            sc = q @ k.T / np.sqrt(hd)
+            pr = np.exp(sc - sc.max(axis=1, keepdims=True))
+            heads.append(pr @ v / pr.sum(axis=1, keepdims=True))
+        errors["attention (bfloat16 q and P)"] = (error(1, 0, np.concatenate(heads, 1)), 3e-2)
+        errors["wo"] = (error(2, 0, product(got[1][0], "wo", 0)), 1e-5)
+        errors["gate_up"] = (error(3, 0, product(got[2][0], "w_gate_up", 0, 1)), 1e-5)
+        r = 1 / np.sqrt((got[2][0] ** 2).mean(axis=1, keepdims=True) + 1e-5) if numerics else 1.0
+        g = got[3][0].reshape(rows, -1, 2, BLOCK_N)  # gate and up interleaved by 128 channels
+        gate, up = g[:, :, 0].reshape(rows, -1) * r, g[:, :, 1].reshape(rows, -1) * r
+        errors["down"] = (error(4, 0, product(gate / (1 + np.exp(-gate)) * up, "w_down", 0)), 1e-4)
+        if layers > 1:
+            errors["layer 1 qkv"] = (error(0, 1, product(got[4][0], "wqkv", 1, 0)), 1e-5)
+    print("check, of each phase's largest output: " + ", ".join(f"{name} {e:.1e}" for name, (e, _) in errors.items()),
+          flush=True)
+    if any(e > bound or not np.isfinite(e) for e, bound in errors.values()):
         raise SystemExit("megakernel skeleton check failed")
 
 
