@@ -160,8 +160,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     of 256 gains) and the split multiplies by it; gate_up's first 16 units of a program's run (every input step
     once: runs are longer) add each row's squares into the program's sum for the layer, from which down's converter
     multiplies gate and up by 1/rms (a number a row); each piece is multiplied by its rows' per-channel scales,
-    copied in by its compute warpgroup as its fragment starts. Attention's q is not scaled by its 1/rms, and no
-    residual is added (the sums land in zeroed buffers). Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
+    copied in by its compute warpgroup as its fragment starts; and the residual stream: the piece holding a wo or
+    down tile's first input step adds the layer's input (wo) or wo's sums (down) to its partial sums, so that wo's
+    sums are h1 and down's h2, as the model's. Attention's q is not scaled by its 1/rms. Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
     (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
     from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
     blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
@@ -258,7 +259,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         x0_ref = refs[13 + last]
         o_refs = refs[14 + last:15 + 2 * last]
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
-         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem) = refs[15 + 2 * last:]
+         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar) = refs[15 + 2 * last:]
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
@@ -617,6 +618,22 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                              qmm_gpu.ROWS)
                             if numerics and ph.stream_k:  # the rows' scales, copied in while the products run
                                 plgpu.copy_gmem_to_smem(s_refs[ph.name].at[channels], sc_smem.at[wg], sc_bar.at[wg])
+                            # numerics: the piece holding a tile's first input step adds the residual stream (wo: the
+                            # layer's input; down: wo's sums, h1), so wo's and down's sums are h1 and h2
+                            residual = numerics and ph.name in ("wo", "w_down")
+                            first_piece = start == tile * ph.steps
+                            if residual:
+                                @pl.when(first_piece)
+                                def _():
+                                    cols = pl.ds((ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
+                                    dst = res_smem.at[wg, pl.ds(0, out_rows)]
+                                    if ph.name == "w_down":
+                                        src = o_refs[ORDER.index("wo")].at[layer, pl.ds(0, out_rows), cols]
+                                        return plgpu.copy_gmem_to_smem(src, dst, res_bar.at[wg])
+                                    below = o_refs[last].at[jnp.maximum(layer - 1, 0), pl.ds(0, out_rows), cols]
+                                    pl.when(layer == 0)(lambda: plgpu.copy_gmem_to_smem(
+                                        x0_ref.at[pl.ds(0, out_rows), cols], dst, res_bar.at[wg]))
+                                    pl.when(layer > 0)(lambda: plgpu.copy_gmem_to_smem(below, dst, res_bar.at[wg]))
 
                             if parts:
                                 acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, start,
@@ -634,6 +651,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                 plgpu.barrier_wait(sc_bar.at[wg])
                                 scale = plgpu.load(sc_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
                                 acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
+                            if residual:
+                                def add_residual(a):
+                                    plgpu.barrier_wait(res_bar.at[wg])
+                                    return a + _load_t(res_smem.at[wg])
+
+                                acc = lax.cond(first_piece, add_residual, lambda a: a, acc)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             qmm_gpu.store_transposed(acc, o_smem.at[wg], interpreted=False)
                             plgpu.commit_smem()
@@ -696,6 +719,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                        transforms=mma_transforms(jnp.bfloat16)),
             plgpu.SMEM((BLOCK_N, 16) if real_attention else (8, 16), jnp.bfloat16, transforms=P_SWIZZLE),  # P
             plgpu.SMEM((16, cfg.head_dim) if real_attention else (1, 32), jnp.float32),  # the head's output
+            plgpu.SMEM((2, COLS, qmm_gpu.ROWS), jnp.float32),  # each compute warpgroup's residual (numerics)
+            plgpu.Barrier(num_arrivals=1, num_barriers=2),
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
@@ -817,8 +842,9 @@ def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, rea
     the kernel's own outputs of the phase before, so each phase is checked alone: a product is its inputs times the
     norm's gain (qkv, gate_up; numerics), times the int8 weights, times the scales (numerics); attention rotates a
     head's q, rounds it to bfloat16, and attends over its kv head's K and V blocks (K, V, K, V of 128 positions);
-    down's inputs are SiLU(gate · r) · up · r with r the 1/rms of wo's sums (numerics; else 1). No residuals, as
-    the kernel adds none. Without real attention only qkv is checked (the stand-in's outputs are no attention).
+    down's inputs are SiLU(gate · r) · up · r with r the 1/rms of wo's sums (numerics; else 1); with numerics wo
+    adds the layer's input and down wo's sums (the residual stream). Without real attention only qkv is checked
+    (the stand-in's outputs are no attention).
     Raises SystemExit if any phase is off by more than its bound."""
     import numpy as np
 
@@ -857,12 +883,14 @@ def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, rea
             pr = np.exp(sc - sc.max(axis=1, keepdims=True))
             heads.append(pr @ v / pr.sum(axis=1, keepdims=True))
         errors["attention (bfloat16 q and P)"] = (error(1, 0, np.concatenate(heads, 1)), 3e-2)
-        errors["wo"] = (error(2, 0, product(got[1][0], "wo", 0)), 1e-5)
+        residual = numerics  # wo's sums are h1 = x + wo(attention), down's h2 = h1 + down(...)
+        errors["wo"] = (error(2, 0, product(got[1][0], "wo", 0) + (x0[:rows] if residual else 0)), 1e-5)
         errors["gate_up"] = (error(3, 0, product(got[2][0], "w_gate_up", 0, 1)), 1e-5)
         r = 1 / np.sqrt((got[2][0] ** 2).mean(axis=1, keepdims=True) + 1e-5) if numerics else 1.0
         g = got[3][0].reshape(rows, -1, 2, BLOCK_N)  # gate and up interleaved by 128 channels
         gate, up = g[:, :, 0].reshape(rows, -1) * r, g[:, :, 1].reshape(rows, -1) * r
-        errors["down"] = (error(4, 0, product(gate / (1 + np.exp(-gate)) * up, "w_down", 0)), 1e-4)
+        errors["down"] = (error(4, 0, product(gate / (1 + np.exp(-gate)) * up, "w_down", 0)
+                                + (got[2][0] if residual else 0)), 1e-4)
         if layers > 1:
             errors["layer 1 qkv"] = (error(0, 1, product(got[4][0], "wqkv", 1, 0)), 1e-5)
     print("check, of each phase's largest output: " + ", ".join(f"{name} {e:.1e}" for name, (e, _) in errors.items()),
