@@ -76,7 +76,8 @@ TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-wa
           "no-split")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
-P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
+P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+CHECKED_LAYERS = 4  # the layers --check compares (each a few seconds of float64 numpy)  # P [keys, 16] bf16 and V beside it
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
@@ -186,8 +187,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if real_attention and (not parts or "x-load" in trials):
         raise ValueError("real attention is for --products s8 --convert without x-load (its converter makes q "
                          "from sums the producer stages)")
-    if numerics and not parts:
-        raise ValueError("numerics is for --products s8 --convert (the converter's split takes the gains)")
+    if numerics and (not parts or x_load):
+        raise ValueError("numerics is for --products s8 --convert without x-load (the producer stages the gains "
+                         "beside the sums, and the converter's split takes them)")
     if numerics and split != 1:
         raise ValueError(f"numerics sums a row's squares over a program's gate_up units of every input step: split "
                          f"must be 1, got {split}")
@@ -627,13 +629,24 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                 def _():
                                     cols = pl.ds((ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
                                     dst = res_smem.at[wg, pl.ds(0, out_rows)]
-                                    if ph.name == "w_down":
-                                        src = o_refs[ORDER.index("wo")].at[layer, pl.ds(0, out_rows), cols]
+                                    if ph.name == "w_down":  # (final: this program's first 16 gate_up units
+                                        # waited for every wo tile)
+                                        src = o_refs[names.index("wo")].at[layer, pl.ds(0, out_rows), cols]
                                         return plgpu.copy_gmem_to_smem(src, dst, res_bar.at[wg])
-                                    below = o_refs[last].at[jnp.maximum(layer - 1, 0), pl.ds(0, out_rows), cols]
                                     pl.when(layer == 0)(lambda: plgpu.copy_gmem_to_smem(
                                         x0_ref.at[pl.ds(0, out_rows), cols], dst, res_bar.at[wg]))
-                                    pl.when(layer > 0)(lambda: plgpu.copy_gmem_to_smem(below, dst, res_bar.at[wg]))
+
+                                    @pl.when(layer > 0)
+                                    def _():  # the layer before's down tile, once all its pieces are in (a program
+                                        # outside attention has waited only for its qkv units' input tiles)
+                                        t = ph.tile0 + tile
+                                        if "no-deps" not in trials:
+                                            wanted = epoch - 1 if "stale-deps" in trials else epoch
+                                            plgpu.semaphore_wait(done.at[(layer - 1) * per_layer_tiles + offsets[last] + t],
+                                                                 wanted * pieces(last, t), decrement=False,
+                                                                 memory_scope="gpu")
+                                        below = o_refs[last].at[layer - 1, pl.ds(0, out_rows), cols]
+                                        plgpu.copy_gmem_to_smem(below, dst, res_bar.at[wg])
 
                             if parts:
                                 acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, start,
@@ -769,8 +782,8 @@ def main() -> None:
     ap.add_argument("--numerics", action="store_true",
                     help="the norms' gains and 1/rms and the products' scales (--products s8 --convert; see megakernel)")
     ap.add_argument("--check", action="store_true",
-                    help="(--products s8 --convert) check layer 0's qkv sums and, with --attention real, every phase "
-                         "of layer 0 and layer 1's qkv against numpy (check_layers), then time")
+                    help="(--products s8 --convert) check the first layers' qkv sums and, with --attention real, "
+                         "every phase against numpy (check_layers), then time")
     ap.add_argument("--served", action="store_true",
                     help="also time, in this process, the served batch-1 step: bfloat16 (the baseline) and int8's "
                          "cost outside the layers, for the step this skeleton would give (see served_steps)")
@@ -838,8 +851,8 @@ def main() -> None:
 
 
 def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
-    """Each phase's outputs of layer 0 (and layer 1's qkv) from the kernel against float64 numpy of the same math on
-    the kernel's own outputs of the phase before, so each phase is checked alone: a product is its inputs times the
+    """Each phase's outputs of the first CHECKED_LAYERS layers from the kernel against float64 numpy of the same math
+    on the kernel's own outputs of the phase before, so each phase is checked alone: a product is its inputs times the
     norm's gain (qkv, gate_up; numerics), times the int8 weights, times the scales (numerics); attention rotates a
     head's q, rounds it to bfloat16, and attends over its kv head's K and V blocks (K, V, K, V of 128 positions);
     down's inputs are SiLU(gate · r) · up · r with r the 1/rms of wo's sums (numerics; else 1); with numerics wo
@@ -867,32 +880,34 @@ def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, rea
     def error(phase, layer, want):
         return np.abs(got[phase][layer] - want).max() / np.abs(want).max()
 
-    errors = {"qkv": (error(0, 0, product(x0[:rows], "wqkv", 0, 0)), 1e-5)}
-    if real_attention:
-        hd, half = cfg.head_dim, cfg.head_dim // 2
-        cos, sin = cos_sin[:rows, :half], cos_sin[:rows, half:]
-        blocks = f64(kv).reshape(-1, 2 * CONTEXT // BLOCK_N, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
+    errors = {}
+    hd, half = cfg.head_dim, cfg.head_dim // 2
+    cos, sin = cos_sin[:rows, :half], cos_sin[:rows, half:]
+    blocks = f64(kv).reshape(-1, 2 * CONTEXT // BLOCK_N, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
+    for layer in range(min(layers, CHECKED_LAYERS)):
+        x = x0[:rows] if layer == 0 else got[4][layer - 1]  # the layer's input: h2 of the layer before
+        errors[f"{layer}: qkv"] = (error(0, layer, product(x, "wqkv", layer, 0)), 1e-5)
+        if not real_attention:
+            continue
         heads = []
         for head in range(cfg.num_heads):
-            q = got[0][0][:, head * hd:(head + 1) * hd]
+            q = got[0][layer][:, head * hd:(head + 1) * hd]
             q = np.concatenate([q[:, :half] * cos - q[:, half:] * sin, q[:, half:] * cos + q[:, :half] * sin], 1)
             q = f64(jnp.asarray(q, jnp.bfloat16))
-            kv_head = blocks[head // (cfg.num_heads // cfg.num_kv_heads)]
+            kv_head = blocks[layer * cfg.num_kv_heads + head // (cfg.num_heads // cfg.num_kv_heads)]
             k, v = kv_head[0::2].reshape(-1, hd), kv_head[1::2].reshape(-1, hd)
             sc = q @ k.T / np.sqrt(hd)
             pr = np.exp(sc - sc.max(axis=1, keepdims=True))
             heads.append(pr @ v / pr.sum(axis=1, keepdims=True))
-        errors["attention (bfloat16 q and P)"] = (error(1, 0, np.concatenate(heads, 1)), 3e-2)
+        errors[f"{layer}: attention"] = (error(1, layer, np.concatenate(heads, 1)), 3e-2)  # bfloat16 q and P
         residual = numerics  # wo's sums are h1 = x + wo(attention), down's h2 = h1 + down(...)
-        errors["wo"] = (error(2, 0, product(got[1][0], "wo", 0) + (x0[:rows] if residual else 0)), 1e-5)
-        errors["gate_up"] = (error(3, 0, product(got[2][0], "w_gate_up", 0, 1)), 1e-5)
-        r = 1 / np.sqrt((got[2][0] ** 2).mean(axis=1, keepdims=True) + 1e-5) if numerics else 1.0
-        g = got[3][0].reshape(rows, -1, 2, BLOCK_N)  # gate and up interleaved by 128 channels
+        errors[f"{layer}: wo"] = (error(2, layer, product(got[1][layer], "wo", layer) + (x if residual else 0)), 1e-5)
+        errors[f"{layer}: gate_up"] = (error(3, layer, product(got[2][layer], "w_gate_up", layer, 1)), 1e-5)
+        r = 1 / np.sqrt((got[2][layer] ** 2).mean(axis=1, keepdims=True) + 1e-5) if numerics else 1.0
+        g = got[3][layer].reshape(rows, -1, 2, BLOCK_N)  # gate and up interleaved by 128 channels
         gate, up = g[:, :, 0].reshape(rows, -1) * r, g[:, :, 1].reshape(rows, -1) * r
-        errors["down"] = (error(4, 0, product(gate / (1 + np.exp(-gate)) * up, "w_down", 0)
-                                + (got[2][0] if residual else 0)), 1e-4)
-        if layers > 1:
-            errors["layer 1 qkv"] = (error(0, 1, product(got[4][0], "wqkv", 1, 0)), 1e-5)
+        errors[f"{layer}: down"] = (error(4, layer, product(gate / (1 + np.exp(-gate)) * up, "w_down", layer)
+                                           + (got[2][layer] if residual else 0)), 1e-4)
     print("check, of each phase's largest output: " + ", ".join(f"{name} {e:.1e}" for name, (e, _) in errors.items()),
           flush=True)
     if any(e > bound or not np.isfinite(e) for e, bound in errors.values()):
