@@ -23,9 +23,10 @@ megakernel would have instead:
 The products are int8 wgmma on a stand-in int8 B as in session 22's skeleton, or (`--products float16`) the served
 kernels' step on a float16 stand-in, or (`--convert`) either on activations made from the phase before's sums
 by a fourth warpgroup (s8: split into int8 parts). What it leaves out, to be added by the real kernel: softmax,
-RoPE and the K/V write, the norms' gains and 1/rms. Its outputs are not checked: the time is the point. Measured (H100, 32 layers): 97.8 us a
-layer with float16 products and converted activations (session 27); 93.3-93.7 with s8 products on activations split
-into int8 parts (`--products s8 --convert --stages 2`, session 29).
+RoPE and the K/V write, the norms' gains and 1/rms (`--numerics` and `--attention real` add most of them; `--check`
+then compares the outputs with numpy). Measured (H100, 32 layers): 97.8 us a layer with float16 products and
+converted activations (session 27); 93.3-93.7 with s8 products on activations split into int8 parts (`--products
+s8 --convert --stages 2`, session 29).
 
 Baseline in the same run and process: session 22's skeleton (the four products of each layer, grid barriers, no
 attention) on the same weights. The bound for the served step: 32 · (this, a layer) + the head (~0.21 ms) against
@@ -41,6 +42,7 @@ import dataclasses
 import functools
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -76,8 +78,8 @@ TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-wa
           "no-split")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
-P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-CHECKED_LAYERS = 4  # the layers --check compares (each a few seconds of float64 numpy)  # P [keys, 16] bf16 and V beside it
+P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
+CHECKED_LAYERS = 4  # the layers --check compares (each a few seconds of float64 numpy)
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
@@ -163,7 +165,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     multiplies gate and up by 1/rms (a number a row); each piece is multiplied by its rows' per-channel scales,
     copied in by its compute warpgroup as its fragment starts; and the residual stream: the piece holding a wo or
     down tile's first input step adds the layer's input (wo) or wo's sums (down) to its partial sums, so that wo's
-    sums are h1 and down's h2, as the model's. Attention's q is not scaled by its 1/rms. Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
+    sums are h1 and down's h2, as the model's. Attention's q is not scaled by its 1/rms. Inputs: gains [layers, 2,
+    d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
     (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
     from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
     blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
@@ -193,10 +196,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if numerics and split != 1:
         raise ValueError(f"numerics sums a row's squares over a program's gate_up units of every input step: split "
                          f"must be 1, got {split}")
-    short = [ph for ph in plan(cfg, programs) if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
-    if numerics and short:
-        raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
-                         f"of {short[0].units // programs} units at {programs} programs are shorter")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -209,6 +208,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             // 8 * 8)
     names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
     phases = plan(cfg, programs, split, names)
+    short = [ph for ph in phases if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
+    if numerics and short:
+        raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
+                         f"of {short[0].units // programs} units at {programs} programs are shorter")
     group = cfg.num_heads // cfg.num_kv_heads
     q_tiles, kv_tiles = cfg.num_heads * cfg.head_dim // BLOCK_N, cfg.num_kv_heads * cfg.head_dim // BLOCK_N
     widths = [next(ph.n for ph in phases if ph.out == out) for out in range(len(names))]  # each phase's outputs
@@ -295,6 +298,16 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
             return src_j, src_layer, col, width
 
+        def copy_layer_input(layer, cols, dst, barrier):  # the layer's input [out_rows, cols]: the step's x0 for
+            # layer 0, the layer before's down sums (h2) for the others
+            pl.when(layer == 0)(lambda: plgpu.copy_gmem_to_smem(x0_ref.at[pl.ds(0, out_rows), cols], dst, barrier))
+            below = o_refs[last].at[jnp.maximum(layer - 1, 0), pl.ds(0, out_rows), cols]
+            pl.when(layer > 0)(lambda: plgpu.copy_gmem_to_smem(below, dst, barrier))
+
+        def count_of(src_layer, src_j, tile):  # (semaphore, count this call waits for) of a tile's pieces
+            wanted = epoch - 1 if "stale-deps" in trials else epoch  # stale: counts reached last call
+            return done.at[src_layer * per_layer_tiles + offsets[src_j] + tile], wanted * pieces(src_j, tile)
+
         def wait_inputs(layer, j, u):  # until every piece of the tiles holding unit u's inputs is counted
             ph = phases[j]
             begin = runs[j][0]
@@ -304,9 +317,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             @pl.when(first_sight & ((layer > 0) | (ph.out > 0)) & ("no-deps" not in trials))
             def _():
                 src_layer = layer - 1 if ph.out == 0 else layer
-                wanted = epoch - 1 if "stale-deps" in trials else epoch  # stale: counts reached last call
-                waits = [(done.at[src_layer * per_layer_tiles + offsets[src_j] + tile], wanted * pieces(src_j, tile))
-                         for src_j, tile in sources(j, p, k_at)]
+                waits = [count_of(src_layer, src_j, tile) for src_j, tile in sources(j, p, k_at)]
                 if "poll-all" in trials:  # every count read at once, again until all are reached
                     def short(_):
                         return functools.reduce(jnp.logical_or, [pl.semaphore_read(s) < n for s, n in waits])
@@ -338,13 +349,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 return
             def stage(at, w):  # sums [out_rows, w] from column col + at into the staging's columns at
                 dst = xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, w)]
-                src = o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, w)]
-                if phases[j].out:
-                    return plgpu.copy_gmem_to_smem(src, dst, stage_bar.at[slot])
-                # qkv: layer 0 reads the step's input x0, the others the layer before's down sums
-                pl.when(layer == 0)(lambda: plgpu.copy_gmem_to_smem(x0_ref.at[pl.ds(0, out_rows), pl.ds(col + at, w)],
-                                                                    dst, stage_bar.at[slot]))
-                pl.when(layer > 0)(lambda: plgpu.copy_gmem_to_smem(src, dst, stage_bar.at[slot]))
+                if phases[j].out == 0:  # qkv reads the layer's input
+                    return copy_layer_input(layer, pl.ds(col + at, w), dst, stage_bar.at[slot])
+                plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, w)], dst,
+                                        stage_bar.at[slot])
 
             if numerics and phases[j].name in NORMED:  # the sums in one copy, the norm's gain in the other
                 stage(0, width)
@@ -616,10 +624,11 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         def _():
                             start = jnp.maximum(begin, tile * ph.steps)
                             stop = jnp.minimum(end, (tile + 1) * ph.steps)
-                            channels = pl.ds(layer * ph.n + (ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS,
-                                             qmm_gpu.ROWS)
+                            col0 = (ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS  # this warpgroup's 64 outputs
+                            cols = pl.ds(col0, qmm_gpu.ROWS)
                             if numerics and ph.stream_k:  # the rows' scales, copied in while the products run
-                                plgpu.copy_gmem_to_smem(s_refs[ph.name].at[channels], sc_smem.at[wg], sc_bar.at[wg])
+                                plgpu.copy_gmem_to_smem(s_refs[ph.name].at[pl.ds(layer * ph.n + col0, qmm_gpu.ROWS)],
+                                                        sc_smem.at[wg], sc_bar.at[wg])
                             # numerics: the piece holding a tile's first input step adds the residual stream (wo: the
                             # layer's input; down: wo's sums, h1), so wo's and down's sums are h1 and h2
                             residual = numerics and ph.name in ("wo", "w_down")
@@ -627,26 +636,18 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             if residual:
                                 @pl.when(first_piece)
                                 def _():
-                                    cols = pl.ds((ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
                                     dst = res_smem.at[wg, pl.ds(0, out_rows)]
                                     if ph.name == "w_down":  # (final: this program's first 16 gate_up units
                                         # waited for every wo tile)
                                         src = o_refs[names.index("wo")].at[layer, pl.ds(0, out_rows), cols]
                                         return plgpu.copy_gmem_to_smem(src, dst, res_bar.at[wg])
-                                    pl.when(layer == 0)(lambda: plgpu.copy_gmem_to_smem(
-                                        x0_ref.at[pl.ds(0, out_rows), cols], dst, res_bar.at[wg]))
-
-                                    @pl.when(layer > 0)
-                                    def _():  # the layer before's down tile, once all its pieces are in (a program
-                                        # outside attention has waited only for its qkv units' input tiles)
-                                        t = ph.tile0 + tile
-                                        if "no-deps" not in trials:
-                                            wanted = epoch - 1 if "stale-deps" in trials else epoch
-                                            plgpu.semaphore_wait(done.at[(layer - 1) * per_layer_tiles + offsets[last] + t],
-                                                                 wanted * pieces(last, t), decrement=False,
-                                                                 memory_scope="gpu")
-                                        below = o_refs[last].at[layer - 1, pl.ds(0, out_rows), cols]
-                                        plgpu.copy_gmem_to_smem(below, dst, res_bar.at[wg])
+                                    if "no-deps" not in trials:  # past layer 0: the layer before's down tile, once
+                                        # all its pieces are in (a program outside attention has waited only for its
+                                        # qkv units' input tiles)
+                                        pl.when(layer > 0)(lambda: plgpu.semaphore_wait(
+                                            *count_of(layer - 1, last, ph.tile0 + tile), decrement=False,
+                                            memory_scope="gpu"))
+                                    copy_layer_input(layer, cols, dst, res_bar.at[wg])
 
                             if parts:
                                 acc = ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, start,
@@ -673,7 +674,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             qmm_gpu.store_transposed(acc, o_smem.at[wg], interpreted=False)
                             plgpu.commit_smem()
-                            cols = pl.ds((ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS, qmm_gpu.ROWS)
                             plgpu.copy_smem_to_gmem(o_smem.at[wg, pl.ds(0, out_rows)],
                                                     o_refs[ph.out].at[layer, pl.ds(0, out_rows), cols],
                                                     reduction_op="add" if ph.stream_k else None)
@@ -740,18 +740,31 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     return kernel, phases
 
 
-def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in") -> list:
-    """The kernel's inputs: weights, K/V, each phase's stand-in B, zeros, the norms' gains, the products' scales, and
-    each row's RoPE cos | sin [COLS, head_dim] (real attention), and the step's input x0 [COLS, d] (what layer 0's
-    qkv reads, with `convert`)."""
+class Inputs(NamedTuple):
+    """The kernel's inputs, in its order once flattened (`flat`)."""
+    weights: list  # int8 [layers · n, k] for each of PRODUCTS
+    kv: jax.Array  # the attention's K/V blocks
+    bs: list  # each phase's stand-in B
+    zeros: jax.Array  # [COLS, 64] float32, what the outputs are zeroed from
+    gains: jax.Array  # [layers, len(NORMED), d] float32 (numerics)
+    scales: list  # float32 [layers · n] for each of PRODUCTS (numerics)
+    cos_sin: jax.Array  # each row's RoPE cos | sin [COLS, head_dim] (real attention)
+    x0: jax.Array  # the step's input [COLS, d], what layer 0's qkv reads (with `convert`)
+
+    def flat(self) -> list:
+        return [*self.weights, self.kv, *self.bs, self.zeros, self.gains, *self.scales, self.cos_sin, self.x0]
+
+
+def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in") -> Inputs:
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
     kv_steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
-    kv = jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
-                            jnp.int32).astype(jnp.int8)
-    if attention == "real":  # the same bytes as bfloat16 blocks of [128 positions, head_dim]
+    if attention == "real":  # bfloat16 blocks of [128 positions, head_dim]
         kv = jax.random.normal(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, cfg.head_dim), jnp.bfloat16)
+    else:  # the same bytes as int8, for the stand-in's products
+        kv = jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
+                                jnp.int32).astype(jnp.int8)
     ks = [next(ph.k for ph in phases if ph.out == out) for out in range(phases[-1].out + 1)]  # each phase's inputs
     if products == "float16":
         bs = [jax.random.normal(key, (COLS, k), jnp.float32).astype(jnp.float16) for k in ks]
@@ -762,7 +775,7 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str =
     angles = CONTEXT * 10000.0 ** (-jnp.arange(cfg.head_dim // 2) / (cfg.head_dim // 2))  # RoPE at the position
     cos_sin = jnp.tile(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)])[None], (COLS, 1)).astype(jnp.float32)
     x0 = jax.random.normal(key, (COLS, cfg.hidden_size), jnp.float32)
-    return [*weights, kv, *bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, *scales, cos_sin, x0]
+    return Inputs(weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, scales, cos_sin, x0)
 
 
 def main() -> None:
@@ -799,8 +812,8 @@ def main() -> None:
                                 args.convert, args.prefetch, args.split, args.split_inputs, args.numerics,
                                 args.attention)
     key = jax.random.PRNGKey(0)
-    args_in = inputs(cfg, args.layers, phases, key, args.products, args.attention)
-    weights = args_in[:len(PRODUCTS)]
+    given = inputs(cfg, args.layers, phases, key, args.products, args.attention)
+    args_in, weights = given.flat(), given.weights
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
     layer_weights = [weights[PRODUCTS.index(name)] for name in PHASES]
@@ -815,7 +828,7 @@ def main() -> None:
     if args.check:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
-        check_layers(cfg, args_in, jax.block_until_ready(mega_fn(*args_in)), args.rows, args.numerics,
+        check_layers(cfg, given, jax.block_until_ready(mega_fn(*args_in)), args.rows, args.numerics,
                      args.attention == "real")
     copy = copy_bandwidth_device()
     mega = device_seconds(mega_fn, args_in, reps=5)
@@ -850,7 +863,7 @@ def main() -> None:
                                                 "trial": args.trial or None})
 
 
-def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
+def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
     """Each phase's outputs of the first CHECKED_LAYERS layers from the kernel against float64 numpy of the same math
     on the kernel's own outputs of the phase before, so each phase is checked alone: a product is its inputs times the
     norm's gain (qkv, gate_up; numerics), times the int8 weights, times the scales (numerics); attention rotates a
@@ -859,14 +872,11 @@ def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, rea
     adds the layer's input and down wo's sums (the residual stream). Without real attention only qkv is checked
     (the stand-in's outputs are no attention).
     Raises SystemExit if any phase is off by more than its bound."""
-    import numpy as np
-
     def f64(a):
         return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
-    weights = dict(zip(PRODUCTS, args_in[:len(PRODUCTS)]))
-    kv, gains, cos_sin, x0 = args_in[4], f64(args_in[11]), f64(args_in[16]), f64(args_in[17])
-    scales = dict(zip(PRODUCTS, args_in[12:16]))
+    weights, scales = dict(zip(PRODUCTS, given.weights)), dict(zip(PRODUCTS, given.scales))
+    kv, gains, cos_sin, x0 = given.kv, f64(given.gains), f64(given.cos_sin), f64(given.x0)
     layers = len(outs[0])
     got = [f64(o)[:, :rows] for o in outs]  # each phase's [layers, rows, n]
 
@@ -900,14 +910,14 @@ def check_layers(cfg, args_in: list, outs: tuple, rows: int, numerics: bool, rea
             pr = np.exp(sc - sc.max(axis=1, keepdims=True))
             heads.append(pr @ v / pr.sum(axis=1, keepdims=True))
         errors[f"{layer}: attention"] = (error(1, layer, np.concatenate(heads, 1)), 3e-2)  # bfloat16 q and P
-        residual = numerics  # wo's sums are h1 = x + wo(attention), down's h2 = h1 + down(...)
-        errors[f"{layer}: wo"] = (error(2, layer, product(got[1][layer], "wo", layer) + (x if residual else 0)), 1e-5)
+        # with numerics, the residual stream: wo's sums are h1 = x + wo(attention), down's h2 = h1 + down(...)
+        errors[f"{layer}: wo"] = (error(2, layer, product(got[1][layer], "wo", layer) + (x if numerics else 0)), 1e-5)
         errors[f"{layer}: gate_up"] = (error(3, layer, product(got[2][layer], "w_gate_up", layer, 1)), 1e-5)
         r = 1 / np.sqrt((got[2][layer] ** 2).mean(axis=1, keepdims=True) + 1e-5) if numerics else 1.0
         g = got[3][layer].reshape(rows, -1, 2, BLOCK_N)  # gate and up interleaved by 128 channels
         gate, up = g[:, :, 0].reshape(rows, -1) * r, g[:, :, 1].reshape(rows, -1) * r
         errors[f"{layer}: down"] = (error(4, layer, product(gate / (1 + np.exp(-gate)) * up, "w_down", layer)
-                                           + (got[2][layer] if residual else 0)), 1e-4)
+                                           + (got[2][layer] if numerics else 0)), 1e-4)
     print("check, of each phase's largest output: " + ", ".join(f"{name} {e:.1e}" for name, (e, _) in errors.items()),
           flush=True)
     if any(e > bound or not np.isfinite(e) for e, bound in errors.values()):
