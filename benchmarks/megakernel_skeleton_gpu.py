@@ -75,7 +75,7 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
-          "no-split")  # see megakernel
+          "no-split", "no-gain", "no-scale", "no-residual")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -146,6 +146,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     wait on them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads
     instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies);
     "no-split" (with s8 `convert`) has the converter leave the parts as they were (wrong: the split's cost).
+    With `numerics`, each leaves one part of them out (wrong, the part's cost): "no-gain" the gains and squares in
+    the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -196,6 +198,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if numerics and split != 1:
         raise ValueError(f"numerics sums a row's squares over a program's gate_up units of every input step: split "
                          f"must be 1, got {split}")
+    if trials & {"no-gain", "no-scale", "no-residual"} and not numerics:
+        raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -354,7 +358,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 plgpu.copy_gmem_to_smem(o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(col + at, w)], dst,
                                         stage_bar.at[slot])
 
-            if numerics and phases[j].name in NORMED:  # the sums in one copy, the norm's gain in the other
+            if numerics and phases[j].name in NORMED and "no-gain" not in trials:  # the sums, and the gain beside
                 stage(0, width)
                 plgpu.copy_gmem_to_smem(g_ref.at[layer, NORMED.index(phases[j].name), pl.ds(k_of(j, u), BLOCK_K)],
                                         g_smem.at[slot], stage_bar.at[slot])
@@ -424,7 +428,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             sq_smem.at[lax.rem(layer, 2)][...] = plgpu.layout_cast(
                                 zeros, plgpu.Layout.WG_STRIDED((128,), vec_size=1))
                     if "no-split" not in trials:
-                        normed = numerics and phases[j].name in NORMED
+                        normed = numerics and phases[j].name in NORMED and "no-gain" not in trials
                         # gate_up: the first `steps` units of a run hold each of the 16 input steps once (a run is
                         # longer), so their squares make the row's whole sum; the others' go to an unread row
                         first_sight = (u - runs[j][0] < phases[j].steps) & (phases[j].name == "w_gate_up")
@@ -626,12 +630,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             stop = jnp.minimum(end, (tile + 1) * ph.steps)
                             col0 = (ph.tile0 + tile) * BLOCK_N + wg * qmm_gpu.ROWS  # this warpgroup's 64 outputs
                             cols = pl.ds(col0, qmm_gpu.ROWS)
-                            if numerics and ph.stream_k:  # the rows' scales, copied in while the products run
+                            scaled = numerics and ph.stream_k and "no-scale" not in trials
+                            if scaled:  # the rows' scales, copied in while the products run
                                 plgpu.copy_gmem_to_smem(s_refs[ph.name].at[pl.ds(layer * ph.n + col0, qmm_gpu.ROWS)],
                                                         sc_smem.at[wg], sc_bar.at[wg])
                             # numerics: the piece holding a tile's first input step adds the residual stream (wo: the
                             # layer's input; down: wo's sums, h1), so wo's and down's sums are h1 and h2
-                            residual = numerics and ph.name in ("wo", "w_down")
+                            residual = numerics and ph.name in ("wo", "w_down") and "no-residual" not in trials
                             first_piece = start == tile * ph.steps
                             if residual:
                                 @pl.when(first_piece)
@@ -661,7 +666,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                               lambda u: lax.rem(g0 + u - begin, stages),
                                               lambda slot, u, c: x_smem.at[slot, :, pl.ds(c, 128)])
                             acc = acc.astype(jnp.float32)
-                            if numerics and ph.stream_k:
+                            if scaled:
                                 plgpu.barrier_wait(sc_bar.at[wg])
                                 scale = plgpu.load(sc_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
                                 acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
@@ -848,7 +853,7 @@ def main() -> None:
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
                                                    "stages": args.stages, "rows": args.rows, "context": CONTEXT,
-                                                   "session": 29, "seconds_again": mega_again,
+                                                   "session": 30, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
                                                    "split": args.split, "numerics": args.numerics,
@@ -858,7 +863,7 @@ def main() -> None:
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
     if args.served:
-        served_steps(cfg, per_layer, args.out, {"layers": args.layers, "stages": args.stages, "session": 29,
+        served_steps(cfg, per_layer, args.out, {"layers": args.layers, "stages": args.stages, "session": 30,
                                                 "products": args.products, "convert": args.convert,
                                                 "trial": args.trial or None})
 

@@ -105,17 +105,25 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
                                 for i in range(words))
         squares = "\n".join(f"fma.rn.f32 ss, v{i}, v{i}, ss;" for i in range(1, inputs))
         gained = "\n".join(f"mul.f32 v{i}, v{i}, g{i};" for i in range(inputs))
+        # a row's sum over its threads by shuffles first (one shared add a warp: 64 adds to one address, one after
+        # another, cost the converter ~40 us a layer in session 30's first run)
+        lanes = min(32, per_row)  # threads of one row in a warp
+        row_sum = "\n".join(f"shfl.sync.bfly.b32 s2, ss, {1 << b}, 0x1f, 0xffffffff; add.f32 ss, ss, s2;"
+                             for b in range(lanes.bit_length() - 1))
         gain_code = f"""mad.lo.u32 ga, c, {4 * inputs}, $4;
         {gain_loads}
         mul.f32 ss, v0, v0;
         {squares}
-        setp.lt.u32 p, row, {rows};
+        {row_sum}
+        and.b32 t0, seg, {lanes - 1};
+        setp.eq.u32 p, t0, 0;
+        setp.lt.and.u32 p, row, {rows}, p;
         mad.lo.u32 ga, row, 4, $5;
         @p red.shared.add.f32 [ga], ss;
         {gained}"""
     return f"""{{
         .reg .u32 seg, row, c, run, idx, chunk, xa, r8, rb, pa, ua, e, ue, ub, ib, t0, t1, ga, w<{words}>;
-        .reg .f32 g<{inputs}>, ss;
+        .reg .f32 g<{inputs}>, ss, s2;
         .reg .f32 v<{inputs}>, a, m, m2, inv;
         .reg .s32 q<{inputs}>;
         .reg .pred p;
