@@ -75,7 +75,7 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
-          "no-split", "no-gain", "no-scale", "no-residual")  # see megakernel
+          "no-split", "no-gain", "no-scale", "no-residual", "no-tail")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -103,16 +103,17 @@ class Phase:
         return self.tiles * self.steps
 
 
-def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
+def plan(cfg, programs: int, split: int = 1, names=ORDER, tail: bool = False) -> tuple[Phase, ...]:
     """The blocks of a layer in the order the programs take them: attention as one; a product in split · split
     blocks of (tiles / split, inputs / split), tile groups outer, each block stream-K over every program, so that the
     first tile groups of a phase are done while its last are still running, and the next phase, taking its inputs
-    in the same order, starts on them without waiting for the phase's end."""
+    in the same order, starts on them without waiting for the phase's end. `tail`: attention reads one block of K
+    and V more, the one its step's new token is written into (the context is then CONTEXT + 1)."""
     products = layer_products(cfg)
     phases = []
     for out, name in enumerate(names):
         if name == "attn":  # a head's K and V (bfloat16) as units of [128, 256] bytes
-            steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
+            steps = (CONTEXT // BLOCK_N + tail) * 2 * cfg.head_dim * 2 // BLOCK_K
             phases.append(Phase(name, cfg.num_heads * cfg.head_dim, BLOCK_K, cfg.num_heads, steps, 1, False, out))
             continue
         n, k = products[name]
@@ -147,7 +148,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies);
     "no-split" (with s8 `convert`) has the converter leave the parts as they were (wrong: the split's cost).
     With `numerics`, each leaves one part of them out (wrong, the part's cost): "no-gain" the gains and squares in
-    the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream.
+    the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream,
+    "no-tail" (with real attention) the new token: no tail block, no K/V written, no wait for it.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -167,14 +169,19 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     multiplies gate and up by 1/rms (a number a row); each piece is multiplied by its rows' per-channel scales,
     copied in by its compute warpgroup as its fragment starts; and the residual stream: the piece holding a wo or
     down tile's first input step adds the layer's input (wo) or wo's sums (down) to its partial sums, so that wo's
-    sums are h1 and down's h2, as the model's. Attention's q is not scaled by its 1/rms. Inputs: gains [layers, 2,
-    d] and a float32 [layers · n] of scales a product. `attention`: "stand-in"
+    sums are h1 and down's h2, as the model's. Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a
+    product. With real attention too (`full`, one row): the squares of the layer's input come from the programs
+    holding qkv's tile 0 (every input step once), each reduce-adding its sum into the layer's and counting it;
+    attention multiplies q, k and v by the 1/rms, rotates k as q, and the first head of each group writes the new
+    token's k and v (bfloat16) into the first position of its kv head's tail block, an extra K and V block that
+    every head of the group reads once the write is counted, its other positions masked: a step at context
+    CONTEXT + 1. `attention`: "stand-in"
     (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
     from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
     blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
     K·qᵀ by wgmma, an online softmax, and Vᵀ·P by wgmma, all by compute warpgroup 0 (1 only waits for and hands back
-    the slots); the head's [rows, 128] output stored to the phase's sums. Not done: the rotation of k and the new
-    K/V written to a cache, and 1/rms on q."""
+    the slots); the head's [rows, 128] output stored to the phase's sums. Not done (for the served kernel): K/V
+    from pages by a page table, a context length that varies, V's rows past it zeroed, rows past 1."""
     trials = set(filter(None, trial.split(",")))
     unknown = trials - set(TRIALS)
     if unknown:
@@ -200,6 +207,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                          f"must be 1, got {split}")
     if trials & {"no-gain", "no-scale", "no-residual"} and not numerics:
         raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
+    full = numerics and real_attention  # the whole of a decode layer's numerics (see the docstring)
+    if full and out_rows != 1:
+        raise ValueError(f"numerics with real attention writes one new token's K/V (the skeleton's K/V are shared "
+                         f"by its rows): rows must be 1, got {out_rows}")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -211,7 +222,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     compute_registers = min(232, (launch * warpgroups - 40 * (1 + x_warpgroup) - converter_registers * convert) // 2
                             // 8 * 8)
     names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
-    phases = plan(cfg, programs, split, names)
+    tail = full and "no-tail" not in trials  # the new token's K/V written and read back in a tail block
+    phases = plan(cfg, programs, split, names, tail=tail)
     short = [ph for ph in phases if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
     if numerics and short:
         raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
@@ -266,9 +278,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         b_refs, z_ref = refs[5:6 + last], refs[6 + last]
         g_ref, s_refs, cs_ref = refs[7 + last], dict(zip(PRODUCTS, refs[8 + last:12 + last])), refs[12 + last]
         x0_ref = refs[13 + last]
-        o_refs = refs[14 + last:15 + 2 * last]
+        o_refs, sqg_ref = refs[14 + last:15 + 2 * last], refs[15 + 2 * last]
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
-         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar) = refs[15 + 2 * last:]
+         sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar, att_bar, rs_smem, knew_smem,
+         vnew_smem) = refs[16 + 2 * last:]
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
@@ -279,8 +292,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         zeroed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         calls = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        # (full) a layer's qkv squares reduce-added by each program holding a unit of qkv's tile 0 (which are every
+        # input step once), counted here; a kv head's new K/V written into its tail block, counted here
+        squared = pl.get_global(plgpu.SemaphoreType.REGULAR((layers,)))
+        written = pl.get_global(plgpu.SemaphoreType.REGULAR((layers * cfg.num_kv_heads,)))
         epoch = pl.semaphore_read(calls) + 1
         runs = [run_of(j, p) for j in range(count)]
+        holders = lax.div(pieces(0, 0), 2)  # programs holding a unit of qkv's tile 0
         bases, base = [], 0
         for begin, end in runs:
             bases.append(base)
@@ -350,6 +368,17 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     plgpu.copy_gmem_to_smem(cs_ref.at[pl.ds(0, out_rows)],
                                             xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(BLOCK_K, cfg.head_dim)],
                                             stage_bar.at[slot])
+                    if full:  # its kv head's k and v sums beside q and cos | sin, and the layer input's squares
+                        kv_head = lax.div(p, group)
+                        for at, tile in ((cfg.head_dim, q_tiles + kv_head), (BLOCK_K + cfg.head_dim,
+                                                                              q_tiles + kv_tiles + kv_head)):
+                            plgpu.copy_gmem_to_smem(
+                                o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(tile * BLOCK_N, cfg.head_dim)],
+                                xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, cfg.head_dim)], att_bar)
+                        if "no-deps" not in trials:
+                            plgpu.semaphore_wait(squared.at[layer], epoch * holders, decrement=False,
+                                                 memory_scope="gpu")
+                        plgpu.copy_gmem_to_smem(sqg_ref.at[layer, pl.ds(0, rs_smem.shape[0])], rs_smem, att_bar)
                 return
             def stage(at, w):  # sums [out_rows, w] from column col + at into the staging's columns at
                 dst = xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, w)]
@@ -389,6 +418,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 return
             plgpu.set_max_registers(converter_registers,
                                     action="increase" if converter_registers > launch else "decrease")
+            if full:  # its reduce-adds of squares land after every program's zeroes
+                plgpu.semaphore_wait(zeroed, epoch * programs, decrement=False, memory_scope="gpu")
 
             def unit(layer, j, u, slot):
                 if real_attention and phases[j].name == "attn":  # q, rotated, in bfloat16 (once a head)
@@ -401,9 +432,32 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             return _load_t(xs_smem.at[slot, :, pl.ds(at, half)])
                         lo, hi = staged(0), staged(half)
                         cos, sin = staged(BLOCK_K), staged(BLOCK_K + half)
-                        for at, v in ((0, lo * cos - hi * sin), (half, hi * cos + lo * sin)):
-                            qmm_gpu.store_transposed(v, q_smem.at[pl.ds(0, COLS), pl.ds(at, half)], interpreted=False)
+
+                        def rotated(lo, hi):
+                            return lo * cos - hi * sin, hi * cos + lo * sin
+
+                        made = [(q_smem.at[pl.ds(0, COLS)], rotated(lo, hi))]
+                        if full:  # q, k and v times the attention norm's 1/rms (a number a row); k rotated too
+                            plgpu.barrier_wait(att_bar)
+                            sq = plgpu.load(rs_smem.at[pl.ds(0, COLS)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                            inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + 1e-5), lo.shape, [1])
+                            hd = cfg.head_dim
+                            made = [(q_smem.at[pl.ds(0, COLS)], rotated(lo * inv, hi * inv)),
+                                    (knew_smem, rotated(staged(hd) * inv, staged(hd + half) * inv)),
+                                    (vnew_smem, (staged(BLOCK_K + hd) * inv, staged(BLOCK_K + hd + half) * inv))]
+                        for ref, halves in made:
+                            for at, v in zip((0, half), halves):
+                                qmm_gpu.store_transposed(v, ref.at[:, pl.ds(at, half)], interpreted=False)
                         plgpu.commit_smem()
+                        if tail:
+                            @pl.when(lax.rem(p, group) == 0)
+                            def _():  # the group's first head writes the new token's K and V into its tail block
+                                kv_head = layer * cfg.num_kv_heads + lax.div(p, group)
+                                row = (kv_head * phases[j].steps + phases[j].steps - 2) * BLOCK_N
+                                plgpu.copy_smem_to_gmem(knew_smem.at[pl.ds(0, 1)], kv_ref.at[pl.ds(row, 1)])
+                                plgpu.copy_smem_to_gmem(vnew_smem.at[pl.ds(0, 1)], kv_ref.at[pl.ds(row + BLOCK_N, 1)])
+                                plgpu.wait_smem_to_gmem(0)
+                                plgpu.semaphore_signal(written.at[kv_head], 1, memory_scope="gpu")
 
                     plgpu.barrier_arrive(tile_bar.at[slot])
                     return
@@ -423,21 +477,34 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 if parts and phases[j].name != "w_down":  # the staged sums are the activations: split in place
                     if numerics and j == 0:
                         @pl.when(u == runs[0][0])
-                        def _():  # a layer's first unit: its MLP's sums of squares start from zero
-                            zeros = jnp.zeros((128,), jnp.float32)
-                            sq_smem.at[lax.rem(layer, 2)][...] = plgpu.layout_cast(
-                                zeros, plgpu.Layout.WG_STRIDED((128,), vec_size=1))
+                        def _():  # a layer's first unit: its MLP's (and with `full` its qkv's) sums of squares start
+                            # from zero
+                            zeros = plgpu.layout_cast(jnp.zeros((128,), jnp.float32),
+                                                      plgpu.Layout.WG_STRIDED((128,), vec_size=1))
+                            sq_smem.at[lax.rem(layer, 2)][...] = zeros
+                            if full:
+                                sq_smem.at[3][...] = zeros
+                                plgpu.commit_smem()  # (a warpgroup barrier: zero before this unit's split adds)
                     if "no-split" not in trials:
                         normed = numerics and phases[j].name in NORMED and "no-gain" not in trials
                         # gate_up: the first `steps` units of a run hold each of the 16 input steps once (a run is
                         # longer), so their squares make the row's whole sum; the others' go to an unread row
                         first_sight = (u - runs[j][0] < phases[j].steps) & (phases[j].name == "w_gate_up")
-                        squares = sq_smem.at[jnp.where(first_sight, lax.rem(layer, 2), 2)]
+                        row = jnp.where(first_sight, lax.rem(layer, 2), 2)
+                        if full and j == 0:  # qkv's tile 0 holds each input step once: its squares are the row's
+                            row = jnp.where(u < phases[0].steps, 3, 2)
+                        squares = sq_smem.at[row]
                         split_tile(xs_smem.at[slot], x_smem.at[slot], e_smem.at[slot], parts=PARTS,
                                    inputs=split_inputs, rows=out_rows,
                                    **({"gain": g_smem.at[slot], "squares": squares} if normed else {}))
                     plgpu.commit_smem()  # visible to the tensor cores before the compute warpgroups hear of it
                     plgpu.barrier_arrive(tile_bar.at[slot])
+                    if full and j == 0:
+                        @pl.when(u == jnp.minimum(runs[0][1], phases[0].steps) - 1)
+                        def _():  # this program's last unit of qkv's tile 0: its squares into the layer's, counted
+                            plgpu.copy_smem_to_gmem(sq_smem.at[3], sqg_ref.at[layer], reduction_op="add")
+                            plgpu.wait_smem_to_gmem(0)
+                            plgpu.semaphore_signal(squared.at[layer], 1, memory_scope="gpu")
                     return
                 for c in range(BLOCK_K // qmm_gpu.ROWS):
                     if phases[j].name == "w_down":  # gate and up interleaved by 128 channels
@@ -500,6 +567,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                 if real_attention and phases[j].name == "attn":  # K, V, K, V blocks into the slot's bfloat16 views
                     src = weight_src(layer, j, u)
+                    if tail and "no-deps" not in trials:  # the tail block once the group's new K/V are in it
+                        kv_head = layer * cfg.num_kv_heads + lax.div(p, group)
+                        pl.when(u - runs[j][0] == phases[j].steps - 2)(lambda: plgpu.semaphore_wait(
+                            written.at[kv_head], epoch, decrement=False, memory_scope="gpu"))
                     is_k = lax.rem(u - runs[j][0], 2) == 0
                     pl.when(is_k)(lambda: plgpu.copy_gmem_to_smem(src, k_view.at[slot], tile_bar.at[slot]))
                     pl.when(~is_k)(lambda: plgpu.copy_gmem_to_smem(src, v_view.at[slot], tile_bar.at[slot]))
@@ -568,6 +639,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         return c
 
                     lax.fori_loop(0, lax.div(chunks - p + programs - 1, programs), zero, None)
+                if full:  # the layers' squares (layer p, p + programs, ...)
+                    def zero_squares(i, c):
+                        for at in range(0, sqg_ref.shape[1], qmm_gpu.ROWS):
+                            plgpu.copy_smem_to_gmem(z_smem.at[0], sqg_ref.at[p + i * programs, pl.ds(at, qmm_gpu.ROWS)])
+                        return c
+
+                    lax.fori_loop(0, lax.div(layers - p + programs - 1, programs), zero_squares, None)
                 plgpu.wait_smem_to_gmem(0)
                 plgpu.semaphore_signal(zeroed, 1, memory_scope="gpu")
 
@@ -585,11 +663,16 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     denom = col_vec(jnp.zeros((queries,), jnp.float32))
                     acc = with_layout(jnp.zeros((cfg.head_dim, queries), jnp.float32), plgpu.Layout.WGMMA,
                                       interpreted=False)
-                    for blk in range(CONTEXT // BLOCK_N):
+                    blocks = phases[j].steps // 2
+                    key = with_layout(lax.broadcasted_iota(jnp.int32, (BLOCK_N, queries), 0), plgpu.Layout.WGMMA,
+                                      interpreted=False)
+                    for blk in range(blocks):
                         k_slot, v_slot = slot_of(begin + 2 * blk), slot_of(begin + 2 * blk + 1)
                         plgpu.barrier_wait(tile_bar.at[k_slot])
                         scores = mma_transposed(k_view.at[k_slot], q_smem, interpreted=False)  # [keys, queries]
                         plgpu.barrier_arrive(free_bar.at[k_slot])
+                        if tail and blk == blocks - 1:  # the tail: the new token's position only
+                            scores = jnp.where(key < CONTEXT + 1 - blk * BLOCK_N, scores, -jnp.inf)
                         probs, m, denom, alpha = online_softmax(scores, m, denom, cfg.head_dim ** -0.5 * LOG2E,
                                                                       axis=0)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
@@ -611,7 +694,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                 @pl.when(wg == 1)
                 def _():  # the other compute warpgroup hands the slots back
-                    for i in range(2 * CONTEXT // BLOCK_N):
+                    for i in range(phases[j].steps):
                         plgpu.barrier_wait(tile_bar.at[slot_of(begin + i)])
                         plgpu.barrier_arrive(free_bar.at[slot_of(begin + i)])
 
@@ -716,7 +799,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     x_transforms = mma_transforms(jnp.float16) if products == "float16" else int8_swizzle
     kernel = plgpu.kernel(
         body,
-        out_type=tuple(jax.ShapeDtypeStruct((layers, COLS, n), jnp.float32) for n in widths),
+        out_type=(*(jax.ShapeDtypeStruct((layers, COLS, n), jnp.float32) for n in widths),
+                  jax.ShapeDtypeStruct((layers, 128), jnp.float32)),  # each row's squares of qkv's inputs (full)
         scratch_types=(
             ring_type,
             plgpu.SMEM((stages, PARTS * COLS if parts else COLS, BLOCK_K), x_dtype, transforms=x_transforms),
@@ -730,7 +814,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((stages if parts else 1, BLOCK_K // PART_INPUTS, unit_columns(COLS)), jnp.float32),  # units
             plgpu.SMEM((COLS, BLOCK_K if parts else 8), jnp.float32),  # the converter's activations, to be split
             plgpu.SMEM((stages if numerics else 1, BLOCK_K), jnp.float32),  # a unit's gains (numerics)
-            plgpu.SMEM((3, 128), jnp.float32),  # each row's sum of squares: the MLP's by layer parity, an unread row
+            plgpu.SMEM((4, 128), jnp.float32),  # each row's sum of squares: the MLP's by layer parity, an unread row,
+            # qkv's tile 0's (full)
             plgpu.SMEM((2, qmm_gpu.ROWS), jnp.float32),  # each compute warpgroup's rows' scales (numerics)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
             plgpu.SMEM((16, cfg.head_dim) if real_attention else (8, 64), jnp.bfloat16,  # q (real attention)
@@ -739,6 +824,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((16, cfg.head_dim) if real_attention else (1, 32), jnp.float32),  # the head's output
             plgpu.SMEM((2, COLS, qmm_gpu.ROWS), jnp.float32),  # each compute warpgroup's residual (numerics)
             plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            plgpu.Barrier(num_arrivals=3),  # (full) attention's k and v sums and the layer's squares
+            plgpu.SMEM((32,), jnp.float32),  # the layer's squares, a number a row (full)
+            plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # the new token's k (full)
+            plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # and v
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
@@ -764,7 +853,8 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str =
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
-    kv_steps = CONTEXT * 2 * cfg.head_dim * 2 // (BLOCK_N * BLOCK_K)
+    kv_steps = next((ph.steps for ph in phases if ph.name == "attn"), 2 * CONTEXT // BLOCK_N)  # K/V blocks of a kv
+    # head (with any tail)
     if attention == "real":  # bfloat16 blocks of [128 positions, head_dim]
         kv = jax.random.normal(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, cfg.head_dim), jnp.bfloat16)
     else:  # the same bytes as int8, for the stand-in's products
@@ -833,7 +923,7 @@ def main() -> None:
     if args.check:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
-        check_layers(cfg, given, jax.block_until_ready(mega_fn(*args_in)), args.rows, args.numerics,
+        check_layers(cfg, given, jax.block_until_ready(mega_fn(*args_in))[:-1], args.rows, args.numerics,
                      args.attention == "real")
     copy = copy_bandwidth_device()
     mega = device_seconds(mega_fn, args_in, reps=5)
@@ -898,19 +988,36 @@ def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, rea
     errors = {}
     hd, half = cfg.head_dim, cfg.head_dim // 2
     cos, sin = cos_sin[:rows, :half], cos_sin[:rows, half:]
-    blocks = f64(kv).reshape(-1, 2 * CONTEXT // BLOCK_N, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
+    full = numerics and real_attention  # with the new token's K/V in a tail block, q k v times the norm's 1/rms
+    blocks = f64(kv).reshape(layers * cfg.num_kv_heads, -1, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
+    group = cfg.num_heads // cfg.num_kv_heads
     for layer in range(min(layers, CHECKED_LAYERS)):
         x = x0[:rows] if layer == 0 else got[4][layer - 1]  # the layer's input: h2 of the layer before
         errors[f"{layer}: qkv"] = (error(0, layer, product(x, "wqkv", layer, 0)), 1e-5)
         if not real_attention:
             continue
+
+        def rotated(a):
+            return np.concatenate([a[:, :half] * cos - a[:, half:] * sin, a[:, half:] * cos + a[:, :half] * sin], 1)
+
+        def bf16(a):
+            return f64(jnp.asarray(a, jnp.bfloat16))
+
+        r = 1 / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-5) if full else 1.0
         heads = []
         for head in range(cfg.num_heads):
-            q = got[0][layer][:, head * hd:(head + 1) * hd]
-            q = np.concatenate([q[:, :half] * cos - q[:, half:] * sin, q[:, half:] * cos + q[:, :half] * sin], 1)
-            q = f64(jnp.asarray(q, jnp.bfloat16))
-            kv_head = blocks[layer * cfg.num_kv_heads + head // (cfg.num_heads // cfg.num_kv_heads)]
-            k, v = kv_head[0::2].reshape(-1, hd), kv_head[1::2].reshape(-1, hd)
+            q = bf16(rotated(got[0][layer][:, head * hd:(head + 1) * hd] * r))
+            kv_head = blocks[layer * cfg.num_kv_heads + head // group]
+            cached = CONTEXT // BLOCK_N
+            k, v = kv_head[0::2][:cached].reshape(-1, hd), kv_head[1::2][:cached].reshape(-1, hd)
+            if full:  # the step's new token: its k (rotated) and v from qkv's sums, times 1/rms, in bfloat16
+                at = cfg.num_heads * hd + head // group * hd
+                k_new = bf16(rotated(got[0][layer][:, at:at + hd] * r))
+                v_new = bf16(got[0][layer][:, at + cfg.num_kv_heads * hd:at + (cfg.num_kv_heads + 1) * hd] * r)
+                if head % group == 0:  # written into the tail block's first position
+                    stored = np.abs(kv_head[-2][:rows] - k_new).max() + np.abs(kv_head[-1][:rows] - v_new).max()
+                    errors[f"{layer}: new K/V {head // group}"] = (stored / np.abs(k_new).max(), 1e-2)
+                k, v = np.concatenate([k, k_new]), np.concatenate([v, v_new])
             sc = q @ k.T / np.sqrt(hd)
             pr = np.exp(sc - sc.max(axis=1, keepdims=True))
             heads.append(pr @ v / pr.sum(axis=1, keepdims=True))
