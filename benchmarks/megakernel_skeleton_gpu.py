@@ -67,6 +67,7 @@ from pallas_kernels.flash_attention.mosaic_gpu import (  # noqa: E402
     mma_transposed,
     online_softmax,
     with_layout,
+    zero_rows_from,
 )
 from pallas_kernels.paged_attention.mosaic_gpu import mma_values_transposed  # noqa: E402
 from pallas_kernels.quantized_layer.mosaic_gpu import _load_t  # noqa: E402
@@ -75,7 +76,7 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
-          "no-split", "no-gain", "no-scale", "no-residual", "no-tail")  # see megakernel
+          "no-split", "no-gain", "no-scale", "no-residual", "no-new")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -103,17 +104,17 @@ class Phase:
         return self.tiles * self.steps
 
 
-def plan(cfg, programs: int, split: int = 1, names=ORDER, tail: bool = False) -> tuple[Phase, ...]:
+def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
     """The blocks of a layer in the order the programs take them: attention as one; a product in split · split
     blocks of (tiles / split, inputs / split), tile groups outer, each block stream-K over every program, so that the
     first tile groups of a phase are done while its last are still running, and the next phase, taking its inputs
-    in the same order, starts on them without waiting for the phase's end. `tail`: attention reads one block of K
-    and V more, the one its step's new token is written into (the context is then CONTEXT + 1)."""
+    in the same order, starts on them without waiting for the phase's end. (Attention's steps are those of CONTEXT;
+    with real attention the kernel takes them from the step's length.)"""
     products = layer_products(cfg)
     phases = []
     for out, name in enumerate(names):
         if name == "attn":  # a head's K and V (bfloat16) as units of [128, 256] bytes
-            steps = (CONTEXT // BLOCK_N + tail) * 2 * cfg.head_dim * 2 // BLOCK_K
+            steps = CONTEXT // BLOCK_N * 2 * cfg.head_dim * 2 // BLOCK_K
             phases.append(Phase(name, cfg.num_heads * cfg.head_dim, BLOCK_K, cfg.num_heads, steps, 1, False, out))
             continue
         n, k = products[name]
@@ -135,7 +136,7 @@ def plan(cfg, programs: int, split: int = 1, names=ORDER, tail: bool = False) ->
 
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
                products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1, split_inputs: int = 4,
-               numerics: bool = False, attention: str = "stand-in"):
+               numerics: bool = False, attention: str = "stand-in", page_size: int = 16, pool: int = 64):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
     stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
@@ -149,7 +150,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     "no-split" (with s8 `convert`) has the converter leave the parts as they were (wrong: the split's cost).
     With `numerics`, each leaves one part of them out (wrong, the part's cost): "no-gain" the gains and squares in
     the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream,
-    "no-tail" (with real attention) the new token: no tail block, no K/V written, no wait for it.
+    "no-new" (with real attention) the new token's K/V: not written, not attended.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -172,16 +173,18 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     sums are h1 and down's h2, as the model's. Inputs: gains [layers, 2, d] and a float32 [layers · n] of scales a
     product. With real attention too (`full`, one row): the squares of the layer's input come from the programs
     holding qkv's tile 0 (every input step once), each reduce-adding its sum into the layer's and counting it;
-    attention multiplies q, k and v by the 1/rms, rotates k as q, and the first head of each group writes the new
-    token's k and v (bfloat16) into the first position of its kv head's tail block, an extra K and V block that
-    every head of the group reads once the write is counted, its other positions masked: a step at context
-    CONTEXT + 1. `attention`: "stand-in"
-    (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
+    attention multiplies q, k and v by the 1/rms and rotates k as q; the converter rounds them to bfloat16, and
+    hands wg0 the new token's score q·k and its v, which wg0 folds into the online softmax after the cached blocks
+    (the step's own K/V never go through the cache in the step that makes them: a tail block read back cost 3.3 us
+    a layer); the group's first head writes them into the next position of the sequence's pages.
+    `attention`: "stand-in" (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
     from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
     blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
     K·qᵀ by wgmma, an online softmax, and Vᵀ·P by wgmma, all by compute warpgroup 0 (1 only waits for and hands back
-    the slots); the head's [rows, 128] output stored to the phase's sums. Not done (for the served kernel): K/V
-    from pages by a page table, a context length that varies, V's rows past it zeroed, rows past 1."""
+    the slots); the head's [rows, 128] output stored to the phase's sums. Real attention reads K and V from
+    pages (k and v [layers · kv heads · pool · page_size, hd] bfloat16, a page table and the length, one sequence):
+    ceil(length / 128) blocks, each as page_size-position TMA copies on kv_bar, scores past the length masked and
+    the last block's V rows past it zeroed. Not done (for the served kernel): rows past 1, each with its pages."""
     trials = set(filter(None, trial.split(",")))
     unknown = trials - set(TRIALS)
     if unknown:
@@ -208,9 +211,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if trials & {"no-gain", "no-scale", "no-residual"} and not numerics:
         raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
     full = numerics and real_attention  # the whole of a decode layer's numerics (see the docstring)
-    if full and out_rows != 1:
-        raise ValueError(f"numerics with real attention writes one new token's K/V (the skeleton's K/V are shared "
-                         f"by its rows): rows must be 1, got {out_rows}")
+    if real_attention and out_rows != 1:
+        raise ValueError(f"real attention reads one sequence's pages (and with numerics writes its new token's K/V): "
+                         f"rows must be 1, got {out_rows}")
+    # (the step's length must be at least 1: with no K/V block attention would count no tile, and wo would wait on)
+    if real_attention and (page_size % 8 or BLOCK_N % page_size):
+        raise ValueError(f"page_size must be a multiple of 8 that divides {BLOCK_N}, got {page_size}")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -222,8 +228,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     compute_registers = min(232, (launch * warpgroups - 40 * (1 + x_warpgroup) - converter_registers * convert) // 2
                             // 8 * 8)
     names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
-    tail = full and "no-tail" not in trials  # the new token's K/V written and read back in a tail block
-    phases = plan(cfg, programs, split, names, tail=tail)
+    new_token = full and "no-new" not in trials  # the step's own K/V: written to its page, folded into attention
+    phases = plan(cfg, programs, split, names)
     short = [ph for ph in phases if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
     if numerics and short:
         raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
@@ -236,12 +242,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     per_layer_tiles = sum(tiles_of)
     count, last = len(phases), len(names) - 1  # blocks; the last phase
 
-    def run_of(j, p):
+    def run_of(j, p, att_units):  # att_units: a head's units of attention (real: from the step's length)
         ph = phases[j]
         if ph.stream_k:
             v = lax.rem(p + ph.rotate, programs)
             return lax.div(v * ph.units, programs), lax.div((v + 1) * ph.units, programs)
-        return jnp.minimum(p, ph.tiles) * ph.steps, jnp.minimum(p + 1, ph.tiles) * ph.steps
+        return jnp.minimum(p, ph.tiles) * att_units, jnp.minimum(p + 1, ph.tiles) * att_units
 
     def pieces(out, tile):  # the signals that complete a tile of phase out: two warpgroups a program holding a piece
         total = 0
@@ -274,14 +280,20 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         return (ph.step0 + lax.rem(u, ph.steps)) * BLOCK_K if ph.stream_k else 0
 
     def body(*refs):
-        w_refs, kv_ref = refs[:4], refs[4]
-        b_refs, z_ref = refs[5:6 + last], refs[6 + last]
-        g_ref, s_refs, cs_ref = refs[7 + last], dict(zip(PRODUCTS, refs[8 + last:12 + last])), refs[12 + last]
-        x0_ref = refs[13 + last]
-        o_refs, sqg_ref = refs[14 + last:15 + 2 * last], refs[15 + 2 * last]
+        at = iter(refs)
+
+        def take(n):
+            return [next(at) for _ in range(n)]
+
+        w_refs, kv_refs, b_refs = take(4), take(2 if real_attention else 1), take(last + 1)
+        z_ref, g_ref = take(2)
+        s_refs = dict(zip(PRODUCTS, take(4)))
+        cs_ref, x0_ref, table_ref, len_ref = take(4)
+        o_refs, (sqg_ref,) = take(last + 1), take(1)
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
          sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar, att_bar, rs_smem, knew_smem,
-         vnew_smem) = refs[16 + 2 * last:]
+         vnew_smem, snew_smem, vfold_smem, kv_bar) = list(at)
+        kv_ref = kv_refs[0]  # the stand-in's K/V bytes, or (real) the K pages; kv_refs[1] the V pages
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
@@ -293,11 +305,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         departed = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         calls = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         # (full) a layer's qkv squares reduce-added by each program holding a unit of qkv's tile 0 (which are every
-        # input step once), counted here; a kv head's new K/V written into its tail block, counted here
+        # input step once), counted here
         squared = pl.get_global(plgpu.SemaphoreType.REGULAR((layers,)))
-        written = pl.get_global(plgpu.SemaphoreType.REGULAR((layers * cfg.num_kv_heads,)))
         epoch = pl.semaphore_read(calls) + 1
-        runs = [run_of(j, p) for j in range(count)]
+        length = len_ref[0] if real_attention else CONTEXT  # the positions in the cache (the new token's is next)
+        blocks = lax.div(length + BLOCK_N - 1, BLOCK_N)  # K (and V) blocks of 128 positions a head reads
+        att_units = 2 * blocks if real_attention else next((ph.steps for ph in phases if ph.name == "attn"), 0)
+        runs = [run_of(j, p, att_units) for j in range(count)]
         holders = lax.div(pieces(0, 0), 2)  # programs holding a unit of qkv's tile 0
         bases, base = [], 0
         for begin, end in runs:
@@ -442,24 +456,34 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             sq = plgpu.load(rs_smem.at[pl.ds(0, COLS)], (), layout=plgpu.Layout.WGMMA.reduce(0))
                             inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + 1e-5), lo.shape, [1])
                             hd = cfg.head_dim
-                            made = [(q_smem.at[pl.ds(0, COLS)], rotated(lo * inv, hi * inv)),
-                                    (knew_smem, rotated(staged(hd) * inv, staged(hd + half) * inv)),
-                                    (vnew_smem, (staged(BLOCK_K + hd) * inv, staged(BLOCK_K + hd + half) * inv))]
+
+                            def bf16(halves):  # bfloat16's values (the cache's), in float32
+                                return [a.astype(jnp.bfloat16).astype(jnp.float32) for a in halves]
+                            q = bf16(rotated(lo * inv, hi * inv))
+                            k = bf16(rotated(staged(hd) * inv, staged(hd + half) * inv))
+                            v = bf16((staged(BLOCK_K + hd) * inv, staged(BLOCK_K + hd + half) * inv))
+                            made = [(q_smem.at[pl.ds(0, COLS)], q), (knew_smem, k), (vnew_smem, v)]
+                            if new_token:  # for attention's fold: the new score q·k (a row's, down a column of
+                                # 64) and v in float32
+                                s_new = jnp.sum(q[0] * k[0] + q[1] * k[1], axis=0)
+                                made += [(snew_smem.at[pl.ds(0, COLS)], [lax.broadcast_in_dim(s_new, lo.shape, [1])]),
+                                         (vfold_smem.at[pl.ds(0, COLS)], v)]
                         for ref, halves in made:
-                            for at, v in zip((0, half), halves):
-                                qmm_gpu.store_transposed(v, ref.at[:, pl.ds(at, half)], interpreted=False)
+                            for at, val in zip((0, half), halves):
+                                qmm_gpu.store_transposed(val, ref.at[:, pl.ds(at, half)], interpreted=False)
                         plgpu.commit_smem()
-                        if tail:
-                            @pl.when(lax.rem(p, group) == 0)
-                            def _():  # the group's first head writes the new token's K and V into its tail block
-                                kv_head = layer * cfg.num_kv_heads + lax.div(p, group)
-                                row = (kv_head * phases[j].steps + phases[j].steps - 2) * BLOCK_N
-                                plgpu.copy_smem_to_gmem(knew_smem.at[pl.ds(0, 1)], kv_ref.at[pl.ds(row, 1)])
-                                plgpu.copy_smem_to_gmem(vnew_smem.at[pl.ds(0, 1)], kv_ref.at[pl.ds(row + BLOCK_N, 1)])
-                                plgpu.wait_smem_to_gmem(0)
-                                plgpu.semaphore_signal(written.at[kv_head], 1, memory_scope="gpu")
 
                     plgpu.barrier_arrive(tile_bar.at[slot])
+                    if new_token:
+                        @pl.when((u == runs[j][0]) & (lax.rem(p, group) == 0))
+                        def _():  # the group's first head writes the new token's K and V into the next position
+                            entry = jnp.minimum(lax.div(length, page_size), table_ref.shape[0] - 1)
+                            page = jnp.clip(table_ref[entry], 0, pool - 1)
+                            row = (((layer * cfg.num_kv_heads + lax.div(p, group)) * pool + page) * page_size
+                                   + lax.rem(length, page_size))
+                            for src, pages in zip((knew_smem, vnew_smem), kv_refs):
+                                plgpu.copy_smem_to_gmem(src.at[pl.ds(0, 1)], pages.at[pl.ds(row, 1)])
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (all awaited at the end)
                     return
                 if x_load:  # the sums by this warpgroup's own (coalesced) loads, a row at a time, into the staging
                     wait_inputs(layer, j, u)
@@ -535,6 +559,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 plgpu.barrier_arrive(tile_bar.at[slot])
 
             each_unit(unit)
+            plgpu.wait_smem_to_gmem(0)  # the new tokens' K/V writes have landed
 
         @pl.when(wg == 2)
         def _producer():
@@ -552,6 +577,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             def prefetch_step(g):  # the weights of this program's ring step g (if in this call) into L2
                 layer, r = lax.div(g, per_layer), lax.rem(g, per_layer)
                 for jj in range(count):
+                    if real_attention and phases[jj].name == "attn":  # (the pages: not prefetched)
+                        continue
                     lo, hi = bases[jj], bases[jj] + runs[jj][1] - runs[jj][0]
 
                     @pl.when((layer < layers) & (r >= lo) & (r < hi))
@@ -565,15 +592,23 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
-                if real_attention and phases[j].name == "attn":  # K, V, K, V blocks into the slot's bfloat16 views
-                    src = weight_src(layer, j, u)
-                    if tail and "no-deps" not in trials:  # the tail block once the group's new K/V are in it
-                        kv_head = layer * cfg.num_kv_heads + lax.div(p, group)
-                        pl.when(u - runs[j][0] == phases[j].steps - 2)(lambda: plgpu.semaphore_wait(
-                            written.at[kv_head], epoch, decrement=False, memory_scope="gpu"))
-                    is_k = lax.rem(u - runs[j][0], 2) == 0
-                    pl.when(is_k)(lambda: plgpu.copy_gmem_to_smem(src, k_view.at[slot], tile_bar.at[slot]))
-                    pl.when(~is_k)(lambda: plgpu.copy_gmem_to_smem(src, v_view.at[slot], tile_bar.at[slot]))
+                if real_attention and phases[j].name == "attn":  # K, V, K, V, ... blocks, a page at a time, into
+                    # the slot's bfloat16 views, on kv_bar; tile_bar's arrivals are this one and the converter's
+                    blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
+                    base = (layer * cfg.num_kv_heads + lax.div(p, group)) * pool
+                    per_block = BLOCK_N // page_size
+                    firsts = [(base + jnp.clip(table_ref[jnp.minimum(blk * per_block + i, table_ref.shape[0] - 1)],
+                                               0, pool - 1)) * page_size for i in range(per_block)]  # (the table's
+                    # entries first, then the copies; past the length: any page)
+
+                    def copy_pages(pages, view):
+                        for i, first in enumerate(firsts):
+                            plgpu.copy_gmem_to_smem(pages.at[pl.ds(first, page_size)],
+                                                    view.at[slot, pl.ds(i * page_size, page_size)], kv_bar.at[slot])
+
+                    pl.when(is_k)(lambda: copy_pages(kv_refs[0], k_view))
+                    pl.when(~is_k)(lambda: copy_pages(kv_refs[1], v_view))
+                    plgpu.barrier_arrive(tile_bar.at[slot])
                 else:
                     plgpu.copy_gmem_to_smem(weight_src(layer, j, u), w_smem.at[slot], tile_bar.at[slot])
                 if prefetch:
@@ -651,7 +686,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
             plgpu.semaphore_wait(zeroed, epoch * programs, decrement=False, memory_scope="gpu")
 
-            def attend(layer, j, begin, g0):  # real attention: a head's 4 units, K, V, K, V, by warpgroup 0
+            def attend(layer, j, begin, g0):  # real attention: a head's units, K, V, K, V, ..., by warpgroup 0
                 def slot_of(u):
                     return lax.rem(g0 + u - begin, stages)
 
@@ -663,29 +698,47 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     denom = col_vec(jnp.zeros((queries,), jnp.float32))
                     acc = with_layout(jnp.zeros((cfg.head_dim, queries), jnp.float32), plgpu.Layout.WGMMA,
                                       interpreted=False)
-                    blocks = phases[j].steps // 2
                     key = with_layout(lax.broadcasted_iota(jnp.int32, (BLOCK_N, queries), 0), plgpu.Layout.WGMMA,
                                       interpreted=False)
-                    for blk in range(blocks):
+                    c = cfg.head_dim ** -0.5 * LOG2E
+
+                    def block(blk, carry):
+                        m, denom, acc = carry
                         k_slot, v_slot = slot_of(begin + 2 * blk), slot_of(begin + 2 * blk + 1)
                         plgpu.barrier_wait(tile_bar.at[k_slot])
+                        plgpu.barrier_wait(kv_bar.at[k_slot])
                         scores = mma_transposed(k_view.at[k_slot], q_smem, interpreted=False)  # [keys, queries]
                         plgpu.barrier_arrive(free_bar.at[k_slot])
-                        if tail and blk == blocks - 1:  # the tail: the new token's position only
-                            scores = jnp.where(key < CONTEXT + 1 - blk * BLOCK_N, scores, -jnp.inf)
-                        probs, m, denom, alpha = online_softmax(scores, m, denom, cfg.head_dim ** -0.5 * LOG2E,
-                                                                      axis=0)
+                        scores = jnp.where(key + blk * BLOCK_N < length, scores, -jnp.inf)  # past the length: none
+                        probs, m, denom, alpha = online_softmax(scores, m, denom, c, axis=0)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
                         p_smem[...] = probs.astype(p_smem.dtype)
                         plgpu.commit_smem()
                         plgpu.barrier_wait(tile_bar.at[v_slot])
+                        plgpu.barrier_wait(kv_bar.at[v_slot])
+                        short = length - blk * BLOCK_N  # positions in this block, if it is the last
+                        pl.when(short < BLOCK_N)(functools.partial(  # V's rows past the length: stale, maybe NaN
+                            zero_rows_from, v_view.at[v_slot], short, interpreted=False))
                         acc = mma_values_transposed(acc, v_view.at[v_slot], p_smem, interpreted=False)
                         plgpu.barrier_arrive(free_bar.at[v_slot])
-                    out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [1])
+                        return m, denom, acc
+
+                    m, denom, acc = lax.fori_loop(0, blocks, block, (m, denom, acc))
+                    halves = [acc[at:at + qmm_gpu.ROWS] for at in range(0, cfg.head_dim, qmm_gpu.ROWS)]
+                    if new_token:  # the step's own K/V, a block of one position, from the converter's numbers
+                        s_new = jnp.max(_load_t(snew_smem.at[:, pl.ds(0, qmm_gpu.ROWS)]), axis=0)  # [queries]
+                        m_new = jnp.maximum(m, s_new * c)
+                        alpha, p_new = jnp.exp2(m - m_new), jnp.exp2(s_new * c - m_new)
+                        denom = denom * alpha + p_new
+                        halves = [h * lax.broadcast_in_dim(alpha, h.shape, [1])
+                                  + _load_t(vfold_smem.at[:, pl.ds(at, qmm_gpu.ROWS)])
+                                  * lax.broadcast_in_dim(p_new, h.shape, [1])
+                                  for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), halves)]
+                    denom = jnp.where(denom == 0.0, 1.0, denom)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for at in range(0, cfg.head_dim, qmm_gpu.ROWS):
-                        qmm_gpu.store_transposed(out[at:at + qmm_gpu.ROWS], ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)],
-                                                 interpreted=False)
+                    for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), halves):
+                        qmm_gpu.store_transposed(h / lax.broadcast_in_dim(denom, h.shape, [1]),
+                                                 ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)], interpreted=False)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(ao_smem.at[pl.ds(0, out_rows)],
                                             o_refs[phases[j].out].at[layer, pl.ds(0, out_rows),
@@ -694,9 +747,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                 @pl.when(wg == 1)
                 def _():  # the other compute warpgroup hands the slots back
-                    for i in range(phases[j].steps):
+                    def hand_back(i, c):
                         plgpu.barrier_wait(tile_bar.at[slot_of(begin + i)])
                         plgpu.barrier_arrive(free_bar.at[slot_of(begin + i)])
+                        return c
+
+                    lax.fori_loop(0, att_units, hand_back, None)
 
                 plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[phases[j].out] + p], 1,
                                        memory_scope="gpu")
@@ -828,6 +884,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((32,), jnp.float32),  # the layer's squares, a number a row (full)
             plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # the new token's k (full)
             plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # and v
+            plgpu.SMEM((16, qmm_gpu.ROWS) if full else (1, 32), jnp.float32),  # its score, for the fold
+            plgpu.SMEM((16, cfg.head_dim) if full else (1, 32), jnp.float32),  # its v, for the fold
+            plgpu.Barrier(num_arrivals=max(1, BLOCK_N // page_size), num_barriers=stages),  # a K/V block's pages
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
@@ -837,29 +896,37 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 class Inputs(NamedTuple):
     """The kernel's inputs, in its order once flattened (`flat`)."""
     weights: list  # int8 [layers · n, k] for each of PRODUCTS
-    kv: jax.Array  # the attention's K/V blocks
+    kv: list  # the stand-in attention's K/V bytes; real: the K and V pages [layers · kv heads · pool · page, hd]
     bs: list  # each phase's stand-in B
     zeros: jax.Array  # [COLS, 64] float32, what the outputs are zeroed from
     gains: jax.Array  # [layers, len(NORMED), d] float32 (numerics)
     scales: list  # float32 [layers · n] for each of PRODUCTS (numerics)
     cos_sin: jax.Array  # each row's RoPE cos | sin [COLS, head_dim] (real attention)
     x0: jax.Array  # the step's input [COLS, d], what layer 0's qkv reads (with `convert`)
+    table: jax.Array  # the sequence's pages [pages] int32 (real attention)
+    length: jax.Array  # [1] int32: its positions in the cache (real attention; the new token's is next)
 
     def flat(self) -> list:
-        return [*self.weights, self.kv, *self.bs, self.zeros, self.gains, *self.scales, self.cos_sin, self.x0]
+        return [*self.weights, *self.kv, *self.bs, self.zeros, self.gains, *self.scales, self.cos_sin, self.x0,
+                self.table, self.length]
 
 
-def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in") -> Inputs:
+def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in", length: int = CONTEXT,
+           page_size: int = 16, pool: int = 64) -> Inputs:
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
     kv_steps = next((ph.steps for ph in phases if ph.name == "attn"), 2 * CONTEXT // BLOCK_N)  # K/V blocks of a kv
-    # head (with any tail)
-    if attention == "real":  # bfloat16 blocks of [128 positions, head_dim]
-        kv = jax.random.normal(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, cfg.head_dim), jnp.bfloat16)
+    # head
+    pages = -(-(length + 1) // page_size)  # the sequence's, with room for the new token: `pages` of the pool's
+    table = jnp.asarray(np.random.RandomState(0).permutation(pool)[:pages], jnp.int32)
+    if attention == "real":  # bfloat16 pages; K an eighth of V, so that the cached keys' scores are O(1) beside
+        # q's ~8 an entry (else the softmax is an argmax, and --check blind to a key more or less)
+        kv = [(jax.random.normal(k, (layers * cfg.num_kv_heads * pool * page_size, cfg.head_dim)) * size
+               ).astype(jnp.bfloat16) for k, size in zip(jax.random.split(key), (0.125, 1.0))]
     else:  # the same bytes as int8, for the stand-in's products
-        kv = jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
-                                jnp.int32).astype(jnp.int8)
+        kv = [jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
+                                 jnp.int32).astype(jnp.int8)]
     ks = [next(ph.k for ph in phases if ph.out == out) for out in range(phases[-1].out + 1)]  # each phase's inputs
     if products == "float16":
         bs = [jax.random.normal(key, (COLS, k), jnp.float32).astype(jnp.float16) for k in ks]
@@ -867,10 +934,12 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str =
         bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for k in ks]
     gains = jax.random.uniform(key, (layers, len(NORMED), cfg.hidden_size), jnp.float32, 0.5, 2.0)
     scales = [jax.random.uniform(key, (layers * shapes[name][0],), jnp.float32, 1e-3, 2e-3) for name in PRODUCTS]
-    angles = CONTEXT * 10000.0 ** (-jnp.arange(cfg.head_dim // 2) / (cfg.head_dim // 2))  # RoPE at the position
+    position = length if attention == "real" else CONTEXT  # the new token's
+    angles = position * 10000.0 ** (-jnp.arange(cfg.head_dim // 2) / (cfg.head_dim // 2))  # RoPE at the position
     cos_sin = jnp.tile(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)])[None], (COLS, 1)).astype(jnp.float32)
     x0 = jax.random.normal(key, (COLS, cfg.hidden_size), jnp.float32)
-    return Inputs(weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, scales, cos_sin, x0)
+    return Inputs(weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, scales, cos_sin, x0, table,
+                  jnp.asarray([length], jnp.int32))
 
 
 def main() -> None:
@@ -887,6 +956,8 @@ def main() -> None:
     ap.add_argument("--split-inputs", type=int, default=4, choices=[4, 8, 16],
                     help="inputs a converter thread splits into parts (--products s8 --convert)")
     ap.add_argument("--attention", default="stand-in", choices=["stand-in", "real"], help="see megakernel")
+    ap.add_argument("--length", type=int, default=CONTEXT, help="(real attention) the positions in the cache")
+    ap.add_argument("--page-size", type=int, default=16, help="(real attention) positions a page")
     ap.add_argument("--numerics", action="store_true",
                     help="the norms' gains and 1/rms and the products' scales (--products s8 --convert; see megakernel)")
     ap.add_argument("--check", action="store_true",
@@ -903,11 +974,14 @@ def main() -> None:
                  f"every program resident for the waits; got {args.programs}")
     if not 1 <= args.rows <= COLS:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
+    if args.length < 1 or args.page_size < 8:
+        ap.error(f"--length must be at least 1 and --page-size at least 8, got {args.length} and {args.page_size}")
+    pool = 2 * -(-(args.length + 1) // args.page_size)  # pages of each kv head's pool: the sequence's are half
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
                                 args.convert, args.prefetch, args.split, args.split_inputs, args.numerics,
-                                args.attention)
+                                args.attention, args.page_size, pool)
     key = jax.random.PRNGKey(0)
-    given = inputs(cfg, args.layers, phases, key, args.products, args.attention)
+    given = inputs(cfg, args.layers, phases, key, args.products, args.attention, args.length, args.page_size, pool)
     args_in, weights = given.flat(), given.weights
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
@@ -924,7 +998,8 @@ def main() -> None:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
         check_layers(cfg, given, jax.block_until_ready(mega_fn(*args_in))[:-1], args.rows, args.numerics,
-                     args.attention == "real")
+                     args.attention == "real", args.page_size,
+                     args.numerics and args.attention == "real" and "no-new" not in args.trial.split(","))
     copy = copy_bandwidth_device()
     mega = device_seconds(mega_fn, args_in, reps=5)
     base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
@@ -939,10 +1014,14 @@ def main() -> None:
             f"before numerics; copy {copy / 1e9:.0f} GB/s")
     label = (f"{args.products}{'+convert' if args.convert else ''} stages={args.stages} split={args.split} "
              f"prefetch={args.prefetch} {f'split_inputs={args.split_inputs} ' if args.convert else ''}"
-             f"{'numerics ' if args.numerics else ''}attention={args.attention} trial={args.trial or '-'}")
+             f"{'numerics ' if args.numerics else ''}attention={args.attention}"
+             f"{f' length={args.length} page={args.page_size}' if args.attention == 'real' else ''} "
+             f"trial={args.trial or '-'}")
     print(f"[{label}] {line}", flush=True)
     record(args.out, "int8_megakernel_skeleton", {"layers": args.layers, "programs": args.programs,
-                                                   "stages": args.stages, "rows": args.rows, "context": CONTEXT,
+                                                   "stages": args.stages, "rows": args.rows,
+                                                   "context": args.length if args.attention == "real" else CONTEXT,
+                                                   "page_size": args.page_size if args.attention == "real" else None,
                                                    "session": 30, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
@@ -958,11 +1037,14 @@ def main() -> None:
                                                 "trial": args.trial or None})
 
 
-def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, real_attention: bool) -> None:
+def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, real_attention: bool,
+                 page_size: int, new_token: bool) -> None:
     """Each phase's outputs of the first CHECKED_LAYERS layers from the kernel against float64 numpy of the same math
     on the kernel's own outputs of the phase before, so each phase is checked alone: a product is its inputs times the
     norm's gain (qkv, gate_up; numerics), times the int8 weights, times the scales (numerics); attention rotates a
-    head's q, rounds it to bfloat16, and attends over its kv head's K and V blocks (K, V, K, V of 128 positions);
+    head's q, rounds it to bfloat16, and attends over its kv head's K and V pages (the table's, to the length; with
+    numerics q, k and v times the 1/rms of the layer's input, and the new token's K/V too, which must also be
+    written at its position), each head against its own largest output;
     down's inputs are SiLU(gate · r) · up · r with r the 1/rms of wo's sums (numerics; else 1); with numerics wo
     adds the layer's input and down wo's sums (the residual stream). Without real attention only qkv is checked
     (the stand-in's outputs are no attention).
@@ -971,7 +1053,7 @@ def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, rea
         return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
 
     weights, scales = dict(zip(PRODUCTS, given.weights)), dict(zip(PRODUCTS, given.scales))
-    kv, gains, cos_sin, x0 = given.kv, f64(given.gains), f64(given.cos_sin), f64(given.x0)
+    gains, cos_sin, x0 = f64(given.gains), f64(given.cos_sin), f64(given.x0)
     layers = len(outs[0])
     got = [f64(o)[:, :rows] for o in outs]  # each phase's [layers, rows, n]
 
@@ -988,9 +1070,11 @@ def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, rea
     errors = {}
     hd, half = cfg.head_dim, cfg.head_dim // 2
     cos, sin = cos_sin[:rows, :half], cos_sin[:rows, half:]
-    full = numerics and real_attention  # with the new token's K/V in a tail block, q k v times the norm's 1/rms
-    blocks = f64(kv).reshape(layers * cfg.num_kv_heads, -1, BLOCK_N, hd)  # [kv heads of each layer, K V K V, ...]
+    full = numerics and real_attention  # q k v times the norm's 1/rms (see megakernel)
     group = cfg.num_heads // cfg.num_kv_heads
+    table, length = np.asarray(given.table), int(given.length[0])
+    if real_attention:  # each kv head's pages [layers · kv heads, pool, page, hd]
+        k_pages, v_pages = (f64(a).reshape(layers * cfg.num_kv_heads, -1, page_size, hd) for a in given.kv)
     for layer in range(min(layers, CHECKED_LAYERS)):
         x = x0[:rows] if layer == 0 else got[4][layer - 1]  # the layer's input: h2 of the layer before
         errors[f"{layer}: qkv"] = (error(0, layer, product(x, "wqkv", layer, 0)), 1e-5)
@@ -1007,21 +1091,23 @@ def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, rea
         heads = []
         for head in range(cfg.num_heads):
             q = bf16(rotated(got[0][layer][:, head * hd:(head + 1) * hd] * r))
-            kv_head = blocks[layer * cfg.num_kv_heads + head // group]
-            cached = CONTEXT // BLOCK_N
-            k, v = kv_head[0::2][:cached].reshape(-1, hd), kv_head[1::2][:cached].reshape(-1, hd)
-            if full:  # the step's new token: its k (rotated) and v from qkv's sums, times 1/rms, in bfloat16
+            lh = layer * cfg.num_kv_heads + head // group
+            k, v = (pages[lh][table].reshape(-1, hd)[:length] for pages in (k_pages, v_pages))  # its positions
+            if new_token:  # the step's new token: its k (rotated) and v from qkv's sums, times 1/rms, in bfloat16
                 at = cfg.num_heads * hd + head // group * hd
                 k_new = bf16(rotated(got[0][layer][:, at:at + hd] * r))
                 v_new = bf16(got[0][layer][:, at + cfg.num_kv_heads * hd:at + (cfg.num_kv_heads + 1) * hd] * r)
-                if head % group == 0:  # written into the tail block's first position
-                    stored = np.abs(kv_head[-2][:rows] - k_new).max() + np.abs(kv_head[-1][:rows] - v_new).max()
-                    errors[f"{layer}: new K/V {head // group}"] = (stored / np.abs(k_new).max(), 1e-2)
+                if head % group == 0:  # written at its position (length) in the sequence's pages
+                    page, offset = table[length // page_size], length % page_size
+                    stored = max(np.abs(pages[lh, page, offset] - new[0]).max() / np.abs(new).max()
+                                 for pages, new in ((k_pages, k_new), (v_pages, v_new)))
+                    errors[f"{layer}: new K/V {head // group}"] = (stored, 1e-2)
                 k, v = np.concatenate([k, k_new]), np.concatenate([v, v_new])
             sc = q @ k.T / np.sqrt(hd)
             pr = np.exp(sc - sc.max(axis=1, keepdims=True))
-            heads.append(pr @ v / pr.sum(axis=1, keepdims=True))
-        errors[f"{layer}: attention"] = (error(1, layer, np.concatenate(heads, 1)), 3e-2)  # bfloat16 q and P
+            want = pr @ v / pr.sum(axis=1, keepdims=True)
+            heads.append(np.abs(got[1][layer][:, head * hd:(head + 1) * hd] - want).max() / np.abs(want).max())
+        errors[f"{layer}: attention"] = (max(heads), 3e-2)  # each head against its own largest; bfloat16 q and P
         # with numerics, the residual stream: wo's sums are h1 = x + wo(attention), down's h2 = h1 + down(...)
         errors[f"{layer}: wo"] = (error(2, layer, product(got[1][layer], "wo", layer) + (x if numerics else 0)), 1e-5)
         errors[f"{layer}: gate_up"] = (error(3, layer, product(got[2][layer], "w_gate_up", layer, 1)), 1e-5)
