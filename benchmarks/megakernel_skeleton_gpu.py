@@ -174,7 +174,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     product. With real attention too (`full`, one row): the squares of the layer's input come from the programs
     holding qkv's tile 0 (every input step once), each reduce-adding its sum into the layer's and counting it;
     attention multiplies q, k and v by the 1/rms and rotates k as q; the converter rounds them to bfloat16, and
-    hands wg0 the new token's score q·k and its v, which wg0 folds into the online softmax after the cached blocks
+    hands wg0 the new token's k (the first row of a 64-key tile) and v, which wg0 folds into the online softmax
+    after the cached blocks as a block of 64 keys, all but the first masked
     (the step's own K/V never go through the cache in the step that makes them: a tail block read back cost 3.3 us
     a layer); the group's first head writes them into the next position of the sequence's pages.
     `attention`: "stand-in" (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
@@ -292,7 +293,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         o_refs, (sqg_ref,) = take(last + 1), take(1)
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
          sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar, att_bar, rs_smem, knew_smem,
-         vnew_smem, snew_smem, vfold_smem, kv_bar) = list(at)
+         vnew_smem, knew_tile, vfold_smem, kv_bar) = list(at)
         kv_ref = kv_refs[0]  # the stand-in's K/V bytes, or (real) the K pages; kv_refs[1] the V pages
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -463,11 +464,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             k = bf16(rotated(staged(hd) * inv, staged(hd + half) * inv))
                             v = bf16((staged(BLOCK_K + hd) * inv, staged(BLOCK_K + hd + half) * inv))
                             made = [(q_smem.at[pl.ds(0, COLS)], q), (knew_smem, k), (vnew_smem, v)]
-                            if new_token:  # for attention's fold: the new score q·k (a row's, down a column of
-                                # 64) and v in float32
-                                s_new = jnp.sum(q[0] * k[0] + q[1] * k[1], axis=0)
-                                made += [(snew_smem.at[pl.ds(0, COLS)], [lax.broadcast_in_dim(s_new, lo.shape, [1])]),
-                                         (vfold_smem.at[pl.ds(0, COLS)], v)]
+                            if new_token:  # for attention's fold: k as the first row of a 64-key tile (wgmma's
+                                # A, as K's), and v in float32 (session 30's first fold summed q·k here, across the
+                                # warps: that run never finished)
+                                made += [(knew_tile.at[pl.ds(0, COLS)], k), (vfold_smem.at[pl.ds(0, COLS)], v)]
                         for ref, halves in made:
                             for at, val in zip((0, half), halves):
                                 qmm_gpu.store_transposed(val, ref.at[:, pl.ds(at, half)], interpreted=False)
@@ -725,11 +725,14 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                     m, denom, acc = lax.fori_loop(0, blocks, block, (m, denom, acc))
                     halves = [acc[at:at + qmm_gpu.ROWS] for at in range(0, cfg.head_dim, qmm_gpu.ROWS)]
-                    if new_token:  # the step's own K/V, a block of one position, from the converter's numbers
-                        s_new = jnp.max(_load_t(snew_smem.at[:, pl.ds(0, qmm_gpu.ROWS)]), axis=0)  # [queries]
-                        m_new = jnp.maximum(m, s_new * c)
-                        alpha, p_new = jnp.exp2(m - m_new), jnp.exp2(s_new * c - m_new)
-                        denom = denom * alpha + p_new
+                    if new_token:  # the step's own K/V: one key more, as a block of 64 keys whose first is its k
+                        # (the rest masked), by the ops of a cached block; its v from the converter's float32
+                        scores = mma_transposed(knew_tile, q_smem, interpreted=False)  # [64, queries]
+                        first = with_layout(lax.broadcasted_iota(jnp.int32, scores.shape, 0), plgpu.Layout.WGMMA,
+                                            interpreted=False) < 1
+                        probs, m, denom, alpha = online_softmax(jnp.where(first, scores, -jnp.inf), m, denom, c,
+                                                                axis=0)
+                        p_new = jnp.max(probs, axis=0)  # (the only key not masked)
                         halves = [h * lax.broadcast_in_dim(alpha, h.shape, [1])
                                   + _load_t(vfold_smem.at[:, pl.ds(at, qmm_gpu.ROWS)])
                                   * lax.broadcast_in_dim(p_new, h.shape, [1])
@@ -884,7 +887,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((32,), jnp.float32),  # the layer's squares, a number a row (full)
             plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # the new token's k (full)
             plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # and v
-            plgpu.SMEM((16, qmm_gpu.ROWS) if full else (1, 32), jnp.float32),  # its score, for the fold
+            plgpu.SMEM((qmm_gpu.ROWS, cfg.head_dim) if full else (8, 64), jnp.bfloat16,  # its k as a key tile
+                       transforms=mma_transforms(jnp.bfloat16)),
             plgpu.SMEM((16, cfg.head_dim) if full else (1, 32), jnp.float32),  # its v, for the fold
             plgpu.Barrier(num_arrivals=max(1, BLOCK_N // page_size), num_barriers=stages),  # a K/V block's pages
         ),
