@@ -16,17 +16,21 @@ megakernel would have instead:
   boundary, no grid barrier): qkv waits for two down tiles of the layer before, a head of attention for its q, k
   and v tiles, wo for two heads, gate_up for two wo tiles, down for the two gate and two up tiles of its inputs
   (gate_up's rows interleaved by 128 channels);
-- attention: programs 0-31 take a head each, streaming its kv head's K and V for a context of 256 (4 units of
-  32 KB through the same ring: 1 MB a layer from HBM, the rest from L2) and storing its [rows, 128] output;
+- attention: programs 0-31 take a head each, streaming its kv head's K and V (the stand-in: a context of 256 in
+  4 units of 32 KB through the same ring, 1 MB a layer from HBM, the rest from L2; real: the step's length, from
+  pages) and storing its [rows, 128] output;
 - the float32 outputs are zeroed by the kernel at its start (every program a share, then a grid-wide count).
 
 The products are int8 wgmma on a stand-in int8 B as in session 22's skeleton, or (`--products float16`) the served
 kernels' step on a float16 stand-in, or (`--convert`) either on activations made from the phase before's sums
-by a fourth warpgroup (s8: split into int8 parts). What it leaves out, to be added by the real kernel: softmax,
-RoPE and the K/V write, the norms' gains and 1/rms (`--numerics` and `--attention real` add most of them; `--check`
-then compares the outputs with numpy). Measured (H100, 32 layers): 97.8 us a layer with float16 products and
-converted activations (session 27); 93.3-93.7 with s8 products on activations split into int8 parts (`--products
-s8 --convert --stages 2`, session 29).
+by a fourth warpgroup (s8: split into int8 parts). `--numerics` adds the norms, the scales and the residual
+stream; `--attention real` a head's attention over K/V pages (RoPE, softmax); both together the new token's K/V
+(written to its page, folded into the softmax) and q/k/v's 1/rms; `--check` compares every phase of the first
+layers with numpy. Left to the served kernel: rows past one, real weights in the served layouts. Measured (H100,
+32 layers, us a layer): 97.8 with float16 products and converted activations (session 27); 93.3-93.7 with s8
+products on activations split into int8 parts (`--products s8 --convert --stages 2`, session 29); with
+`--numerics` 94.5-94.7, with contiguous K/V and every numeric but the new token 95.6, paged at length 200 101.6
+(session 30, int8_gpu_notes.md).
 
 Baseline in the same run and process: session 22's skeleton (the four products of each layer, grid barriers, no
 attention) on the same weights. The bound for the served step: 32 · (this, a layer) + the head (~0.21 ms) against
