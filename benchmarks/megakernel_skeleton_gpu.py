@@ -46,6 +46,7 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -216,6 +217,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if trials & {"no-gain", "no-scale", "no-residual"} and not numerics:
         raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
     full = numerics and real_attention  # the whole of a decode layer's numerics (see the docstring)
+    if numerics and real_attention and stages > 2:
+        raise ValueError(f"numerics with real attention needs stages <= 2 (at 3 its shared memory is ~240 KB of the "
+                         f"H100's 227 KB a block), got {stages}")
     if real_attention and out_rows != 1:
         raise ValueError(f"real attention reads one sequence's pages (and with numerics writes its new token's K/V): "
                          f"rows must be 1, got {out_rows}")
@@ -732,8 +736,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     if new_token:  # the step's own K/V: one key more, as a block of 64 keys whose first is its k
                         # (the rest masked), by the ops of a cached block; its v from the converter's float32
                         scores = mma_transposed(knew_tile, q_smem, interpreted=False)  # [64, queries]
-                        first = with_layout(lax.broadcasted_iota(jnp.int32, scores.shape, 0), plgpu.Layout.WGMMA,
-                                            interpreted=False) < 1
+                        def iota(axis):
+                            return with_layout(lax.broadcasted_iota(jnp.int32, scores.shape, axis),
+                                               plgpu.Layout.WGMMA, interpreted=False)
+                        first = iota(0) == iota(1)  # query row j's new key is the tile's row j
                         probs, m, denom, alpha = online_softmax(jnp.where(first, scores, -jnp.inf), m, denom, c,
                                                                 axis=0)
                         p_new = jnp.max(probs, axis=0)  # (the only key not masked)
@@ -1002,6 +1008,9 @@ def main() -> None:
         mega_fn.trace(*args_in).lower(lowering_platforms=("cuda",))
         return print(f"lowered for CUDA ({args.layers} layers; no GPU here: nothing timed)")
     print(f"{jax.devices()[0]} jax {jax.__version__}", flush=True)
+    t0 = time.perf_counter()
+    mega_fn = mega_fn.lower(*args_in).compile()  # (timed apart: a compile and a hang look alike from outside)
+    print(f"compiled in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.check:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
