@@ -1,0 +1,144 @@
+"""The decode megakernel's math in jnp: every decoder layer of a decode step, over weights and K/V pages stacked
+across the layers, as one kernel on the chip is to compute it (its skeleton: benchmarks/megakernel_skeleton_gpu.py).
+
+Stacked, so that a kernel looping over the layers on the chip reads every layer through one ref:
+- each int8 product [layers · n, k] (per-channel scales [layers · n]), a layer's rows in the order the kernel's
+  phases read them: qkv by KV head (its query heads, its key, its value: the served `wqkv` order), and gate_up in
+  blocks of 128 channels, their gate rows then their up rows (a 128-row tile of sums is then all gate or all up,
+  and the down phase's converter reads a channel's gate and up 128 columns apart);
+- the norms' gains [layers, 2, d] (attention's, the MLP's);
+- K and V pages [layers · kv_heads · pool · page_size, head_dim], a (layer, KV head)'s pool contiguous.
+
+A step's math, a layer at a time, with r the 1/rms of the product's input row (applied to the product's output,
+as jaxserve.model.transformer.normed_linear does): qkv = ((x · g_attn) @ Wᵀ) · s · r; q and k rotated at the
+row's position (its length: the positions already cached); k and v rounded to the pages' dtype and written at that
+position; attention over the cached positions and the new one; h1 = x + (o @ Woᵀ) · s; gate_up as qkv from h1 with
+the MLP's gain; h2 = h1 + (SiLU(gate) · up @ Wdownᵀ) · s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 128  # gate_up's channels a block (the kernel's tile of output rows)
+PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+class StackedLayers(NamedTuple):
+    """A model's decoder layers, stacked (see the module docstring)."""
+
+    values: tuple  # int8 [layers · n, k] for each of PRODUCTS
+    scales: tuple  # float32 [layers · n] for each of PRODUCTS
+    gains: jax.Array  # float32 [layers, 2, d]
+
+
+def _blocked_gate_up(a: np.ndarray) -> np.ndarray:
+    """[ffn, 2, ...] (gate and up interleaved a channel at a time, the served order) -> [2 · ffn, ...] in blocks of
+    BLOCK channels: the block's gate rows, then its up rows."""
+    ffn = a.shape[0]
+    return a.reshape(ffn // BLOCK, BLOCK, 2, *a.shape[2:]).swapaxes(1, 2).reshape(2 * ffn, *a.shape[2:])
+
+
+def stack_layers(cfg: Any, layers: Sequence[Any]) -> StackedLayers:
+    """The layers of int8 weights (jaxserve.model.quant.QuantizedArray, one scale a channel) stacked. Raises
+    ValueError naming what the megakernel does not take: float or grouped weights, biases, an ffn not in blocks
+    of BLOCK channels."""
+    if cfg.intermediate_size % BLOCK:
+        raise ValueError(f"the megakernel takes gate_up in blocks of {BLOCK} channels: intermediate_size="
+                         f"{cfg.intermediate_size} is not a multiple of {BLOCK}")
+    values, scales = {name: [] for name in PRODUCTS}, {name: [] for name in PRODUCTS}
+    gains = []
+    for i, layer in enumerate(layers):
+        if layer.bqkv is not None:
+            raise ValueError(f"layer {i} has a qkv bias; the megakernel takes none")
+        for name in PRODUCTS:
+            w = getattr(layer, name)
+            if not hasattr(w, "values") or w.group_size != 0:
+                raise ValueError(f"layer {i}'s {name} must be int8 with one scale a channel (QuantizedArray, "
+                                 f"group_size 0), got {type(w).__name__}"
+                                 + (f" with group_size {w.group_size}" if hasattr(w, "group_size") else ""))
+            v, s = np.asarray(w.values), np.asarray(w.scales)[0]  # [*out, *in], [*out]
+            if name == "w_gate_up":
+                v, s = _blocked_gate_up(v), _blocked_gate_up(s)
+            k = int(np.prod(v.shape[v.ndim - w.in_ndim:]))
+            values[name].append(v.reshape(-1, k))
+            scales[name].append(s.reshape(-1).astype(np.float32))
+        gains.append(np.stack([np.asarray(layer.attn_norm, np.float32), np.asarray(layer.mlp_norm, np.float32)]))
+    return StackedLayers(tuple(jnp.asarray(np.concatenate(values[n])) for n in PRODUCTS),
+                         tuple(jnp.asarray(np.concatenate(scales[n])) for n in PRODUCTS),
+                         jnp.asarray(np.stack(gains)))
+
+
+def stack_pages(pages: Sequence[jax.Array]) -> jax.Array:
+    """Per-layer pools [kv_heads, pool, page_size, head_dim] (jaxserve.model.kv_cache.KVCache's) -> the stacked
+    [layers · kv_heads · pool · page_size, head_dim]."""
+    return jnp.stack(pages).reshape(-1, pages[0].shape[-1])
+
+
+def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """x [rows, heads, head_dim] rotated by each row's position (half-split, as the model's apply_rope)."""
+    angles = positions[:, None].astype(jnp.float32) * inv_freq  # [rows, hd / 2]
+    cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
+    half = x.shape[-1] // 2
+    lo, hi = x[..., :half], x[..., half:]
+    return jnp.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+
+def decode_layers(cfg: Any, st: StackedLayers, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                  page_table: jax.Array, lengths: jax.Array, inv_freq: np.ndarray, page_size: int,
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Every layer of a decode step: x [rows, d] (the new tokens, embedded), pages stacked (stack_pages) of
+    page_size positions, page_table [rows, pages] int32, lengths [rows] int32 (positions cached; the new token's is
+    next; its page must be in the table), inv_freq the rotary frequencies [head_dim / 2] ->
+    (h [rows, d] float32, the layers' output before the final norm; k_pages; v_pages with the new K/V written)."""
+    layers = st.gains.shape[0]
+    kvh, hd, group = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    pool = k_pages.shape[0] // (layers * kvh * page_size)  # pages of a (layer, KV head)
+    rows = x.shape[0]
+    eps = cfg.rms_norm_eps
+    sizes = {name: v.shape[0] // layers for name, v in zip(PRODUCTS, st.values)}
+
+    def product(name, layer, a, gain=None):
+        values, scales = st.values[PRODUCTS.index(name)], st.scales[PRODUCTS.index(name)]
+        n = sizes[name]
+        w = jax.lax.dynamic_slice_in_dim(values, layer * n, n).astype(jnp.float32)
+        s = jax.lax.dynamic_slice_in_dim(scales, layer * n, n)
+        y = (a if gain is None else a * gain) @ w.T * s
+        if gain is not None:  # a normed product: its input row's 1/rms on the output
+            y = y * jax.lax.rsqrt(jnp.mean(a * a, axis=-1, keepdims=True) + eps)
+        return y
+
+    page_of = jnp.take_along_axis(page_table, (lengths // page_size)[:, None], axis=1)[:, 0]
+    positions = jnp.arange(page_table.shape[1] * page_size)  # a row's positions, through its pages
+
+    def layer_step(layer, carry):
+        x, k_pages, v_pages = carry
+        gains = st.gains[layer]
+        qkv = product("wqkv", layer, x, gains[0]).reshape(rows, kvh, group + 2, hd)
+        q = _rope(qkv[:, :, :group].reshape(rows, kvh * group, hd), lengths, inv_freq)
+        k = _rope(qkv[:, :, group], lengths, inv_freq).astype(k_pages.dtype)  # [rows, kvh, hd]
+        v = qkv[:, :, group + 1].astype(v_pages.dtype)
+        base = (layer * kvh + jnp.arange(kvh)) * pool  # [kvh]: each KV head's first page of this layer
+        at = (base[None, :] + page_of[:, None]) * page_size + (lengths % page_size)[:, None]  # [rows, kvh]
+        k_pages = k_pages.at[at.reshape(-1)].set(k.reshape(-1, hd))
+        v_pages = v_pages.at[at.reshape(-1)].set(v.reshape(-1, hd))
+        # each row's K/V, new token included, through its pages: [rows, kvh, positions, hd]
+        slots = ((base[None, :, None] + page_table[:, None, :]) * page_size)[..., None] + jnp.arange(page_size)
+        slots = slots.reshape(rows, kvh, -1)
+        keys, vals = k_pages[slots].astype(jnp.float32), v_pages[slots].astype(jnp.float32)
+        qg = q.astype(k_pages.dtype).astype(jnp.float32).reshape(rows, kvh, group, hd)
+        scores = jnp.einsum("rhgd,rhpd->rhgp", qg, keys) * hd ** -0.5
+        scores = jnp.where(positions[None, None, None, :] <= lengths[:, None, None, None], scores, -jnp.inf)
+        o = jnp.einsum("rhgp,rhpd->rhgd", jax.nn.softmax(scores, axis=-1), vals).reshape(rows, -1)
+        h1 = x + product("wo", layer, o)
+        gu = product("w_gate_up", layer, h1, gains[1]).reshape(rows, -1, 2, BLOCK)
+        h2 = h1 + product("w_down", layer, (jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(rows, -1))
+        return h2, k_pages, v_pages
+
+    return jax.lax.fori_loop(0, layers, layer_step, (x.astype(jnp.float32), k_pages, v_pages))
+
