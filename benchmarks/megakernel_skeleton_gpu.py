@@ -89,6 +89,14 @@ CHECKED_LAYERS = 4  # the layers --check compares (each a few seconds of float64
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
+def qkv_tiles(cfg, head):
+    """(q, k, v) tiles of qkv's sums for a head (an int or traced), in the served order (jaxserve.model.weights.Layer:
+    by KV head, its query heads, its key, its value; a tile is a head: head_dim == BLOCK_N)."""
+    group = cfg.num_heads // cfg.num_kv_heads
+    g, i = divmod(head, group) if isinstance(head, int) else (lax.div(head, group), lax.rem(head, group))
+    return g * (group + 2) + i, g * (group + 2) + group, g * (group + 2) + group + 1
+
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
     name: str
@@ -220,6 +228,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if numerics and real_attention and stages > 2:
         raise ValueError(f"numerics with real attention needs stages <= 2 (at 3 its shared memory is ~240 KB of the "
                          f"H100's 227 KB a block), got {stages}")
+    if cfg.head_dim != BLOCK_N:
+        raise ValueError(f"a head is a tile: head_dim must be {BLOCK_N}, got {cfg.head_dim}")
     if real_attention and out_rows != 1:
         raise ValueError(f"real attention reads one sequence's pages (and with numerics writes its new token's K/V): "
                          f"rows must be 1, got {out_rows}")
@@ -244,7 +254,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
                          f"of {short[0].units // programs} units at {programs} programs are shorter")
     group = cfg.num_heads // cfg.num_kv_heads
-    q_tiles, kv_tiles = cfg.num_heads * cfg.head_dim // BLOCK_N, cfg.num_kv_heads * cfg.head_dim // BLOCK_N
     widths = [next(ph.n for ph in phases if ph.out == out) for out in range(len(names))]  # each phase's outputs
     tiles_of = [cfg.num_heads if name == "attn" else w // BLOCK_N for name, w in zip(names, widths)]
     offsets = [sum(tiles_of[:out]) for out in range(len(names))]  # of each phase's tiles in a layer's counts
@@ -278,8 +287,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         if name == "wqkv":  # the down tiles of the layer before
             return [(last, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
         if name == "attn":  # head p: its q tile, its kv head's k and v tiles
-            return [(out - 1, p), (out - 1, q_tiles + lax.div(p, group)),
-                    (out - 1, q_tiles + kv_tiles + lax.div(p, group))]
+            return [(out - 1, tile) for tile in qkv_tiles(cfg, p)]
         if name == "w_down":  # gate and up of its channels, interleaved by 128
             return [(out - 1, 2 * lax.div(k_at, BLOCK_N) + i) for i in range(2 * BLOCK_K // BLOCK_N)]
         return [(out - 1, lax.div(k_at, BLOCK_N) + i) for i in range(BLOCK_K // BLOCK_N)]
@@ -340,7 +348,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             src_j = ph.out - 1 if ph.out else last
             src_layer = layer if ph.out else jnp.where(layer > 0, layer - 1, layers - 1)
             width = 2 * BLOCK_K if ph.name == "w_down" else BLOCK_K  # down: its inputs' gate and up sums
-            col = 2 * k_at if ph.name == "w_down" else (p * BLOCK_N if not ph.stream_k else k_at)
+            col = 2 * k_at if ph.name == "w_down" else (qkv_tiles(cfg, p)[0] * BLOCK_N if not ph.stream_k else k_at)
             return src_j, src_layer, col, width
 
         def copy_layer_input(layer, cols, dst, barrier):  # the layer's input [out_rows, cols]: the step's x0 for
@@ -392,9 +400,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                             xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(BLOCK_K, cfg.head_dim)],
                                             stage_bar.at[slot])
                     if full:  # its kv head's k and v sums beside q and cos | sin, and the layer input's squares
-                        kv_head = lax.div(p, group)
-                        for at, tile in ((cfg.head_dim, q_tiles + kv_head), (BLOCK_K + cfg.head_dim,
-                                                                              q_tiles + kv_tiles + kv_head)):
+                        for at, tile in zip((cfg.head_dim, BLOCK_K + cfg.head_dim), qkv_tiles(cfg, p)[1:]):
                             plgpu.copy_gmem_to_smem(
                                 o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(tile * BLOCK_N, cfg.head_dim)],
                                 xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, cfg.head_dim)], att_bar)
@@ -1014,9 +1020,13 @@ def main() -> None:
     if args.check:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
-        check_layers(cfg, given, jax.block_until_ready(mega_fn(*args_in))[:-1], args.rows, args.numerics,
-                     args.attention == "real", args.page_size,
-                     args.numerics and args.attention == "real" and "no-new" not in args.trial.split(","))
+        new_token = args.numerics and args.attention == "real" and "no-new" not in args.trial.split(",")
+        pages_before = [np.asarray(a) for a in given.kv]  # (the kernel writes the new token's K/V in place)
+        outs = jax.block_until_ready(mega_fn(*args_in))[:-1]
+        check_layers(cfg, given, outs, args.rows, args.numerics, args.attention == "real", args.page_size,
+                     new_token)
+        if new_token:
+            check_reference(cfg, given, pages_before, outs, args.page_size)
     copy = copy_bandwidth_device()
     mega = device_seconds(mega_fn, args_in, reps=5)
     base = device_seconds(jax.jit(baseline), (*layer_weights, *base_bs), reps=5)
@@ -1107,13 +1117,13 @@ def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, rea
         r = 1 / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + 1e-5) if full else 1.0
         heads = []
         for head in range(cfg.num_heads):
-            q = bf16(rotated(got[0][layer][:, head * hd:(head + 1) * hd] * r))
+            q_at, k_at, v_at = (t * hd for t in qkv_tiles(cfg, head))
+            q = bf16(rotated(got[0][layer][:, q_at:q_at + hd] * r))
             lh = layer * cfg.num_kv_heads + head // group
             k, v = (pages[lh][table].reshape(-1, hd)[:length] for pages in (k_pages, v_pages))  # its positions
             if new_token:  # the step's new token: its k (rotated) and v from qkv's sums, times 1/rms, in bfloat16
-                at = cfg.num_heads * hd + head // group * hd
-                k_new = bf16(rotated(got[0][layer][:, at:at + hd] * r))
-                v_new = bf16(got[0][layer][:, at + cfg.num_kv_heads * hd:at + (cfg.num_kv_heads + 1) * hd] * r)
+                k_new = bf16(rotated(got[0][layer][:, k_at:k_at + hd] * r))
+                v_new = bf16(got[0][layer][:, v_at:v_at + hd] * r)
                 if head % group == 0:  # written at its position (length) in the sequence's pages
                     page, offset = table[length // page_size], length % page_size
                     stored = max(np.abs(pages[lh, page, offset] - new[0]).max() / np.abs(new).max()
@@ -1137,6 +1147,34 @@ def check_layers(cfg, given: Inputs, outs: tuple, rows: int, numerics: bool, rea
           flush=True)
     if any(e > bound or not np.isfinite(e) for e, bound in errors.values()):
         raise SystemExit("megakernel skeleton check failed")
+
+
+def check_reference(cfg, given: Inputs, pages_before: list, outs: tuple, page_size: int) -> None:
+    """The kernel's output of its last layer (h2) and the K/V it wrote, against the megakernel's jnp reference
+    (pallas_kernels.decode_megakernel.reference.decode_layers) on the same inputs taken as stacked layers: every
+    layer end to end, where check_layers takes each phase alone. The skeleton's inputs are the reference's layouts
+    (qkv by KV head, gate_up in 128-channel blocks, a (layer, KV head)'s pages contiguous). Raises SystemExit past
+    the bounds (bfloat16 P in the kernel, float32 in the reference)."""
+    from pallas_kernels.decode_megakernel.reference import StackedLayers, decode_layers
+
+    layers = outs[0].shape[0]
+    half = cfg.head_dim // 2
+    reference = jax.jit(functools.partial(decode_layers, dataclasses.replace(cfg, num_layers=layers),
+                                          inv_freq=10000.0 ** (-np.arange(half) / half), page_size=page_size))
+    with jax.default_matmul_precision("highest"):
+        h, k_pages, v_pages = reference(StackedLayers(tuple(given.weights), tuple(given.scales), given.gains),
+                                        given.x0[:1], *[jnp.asarray(a) for a in pages_before], given.table[None],
+                                        given.length)
+
+    def error(got, want):
+        got, want = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (got, want))
+        return np.abs(got - want).max() / np.abs(want).max()
+
+    errors = {"h2 of the last layer": error(outs[-1][-1, :1], h), "K pages": error(given.kv[0], k_pages),
+              "V pages": error(given.kv[1], v_pages)}
+    print("against the reference, every layer: " + ", ".join(f"{k} {e:.1e}" for k, e in errors.items()), flush=True)
+    if any(e > 3e-2 or not np.isfinite(e) for e in errors.values()):
+        raise SystemExit("megakernel skeleton's reference check failed")
 
 
 def served_steps(cfg, per_layer: float, out: str, config: dict, steps: int = 100, reps: int = 3,
