@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention.reference import paged_attention_reference
+
 BLOCK = 128  # gate_up's channels a block (the kernel's tile of output rows)
 PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
@@ -81,7 +83,8 @@ def stack_pages(pages: Sequence[jax.Array]) -> jax.Array:
 
 
 def _rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """x [rows, heads, head_dim] rotated by each row's position (half-split, as the model's apply_rope)."""
+    """x [rows, heads, head_dim] rotated by each row's position (half-split: jaxserve.model.transformer.apply_rope's
+    math, which pallas_kernels does not import)."""
     angles = positions[:, None].astype(jnp.float32) * inv_freq  # [rows, hd / 2]
     cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]
     half = x.shape[-1] // 2
@@ -99,6 +102,7 @@ def decode_layers(cfg: Any, st: StackedLayers, x: jax.Array, k_pages: jax.Array,
     layers = st.gains.shape[0]
     kvh, hd, group = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     pool = k_pages.shape[0] // (layers * kvh * page_size)  # pages of a (layer, KV head)
+    shape5 = (layers, kvh, pool, page_size, hd)  # a layer's [kv_heads, pool, page, hd]: the engine's pool's layout
     rows = x.shape[0]
     eps = cfg.rms_norm_eps
     sizes = {name: v.shape[0] // layers for name, v in zip(PRODUCTS, st.values)}
@@ -114,31 +118,25 @@ def decode_layers(cfg: Any, st: StackedLayers, x: jax.Array, k_pages: jax.Array,
         return y
 
     page_of = jnp.take_along_axis(page_table, (lengths // page_size)[:, None], axis=1)[:, 0]
-    positions = jnp.arange(page_table.shape[1] * page_size)  # a row's positions, through its pages
+    heads = jnp.arange(kvh)[None, :]
 
     def layer_step(layer, carry):
-        x, k_pages, v_pages = carry
+        x, k_pages, v_pages = carry  # [layers, kv_heads, pool, page, hd]
         gains = st.gains[layer]
         qkv = product("wqkv", layer, x, gains[0]).reshape(rows, kvh, group + 2, hd)
         q = _rope(qkv[:, :, :group].reshape(rows, kvh * group, hd), lengths, inv_freq)
-        k = _rope(qkv[:, :, group], lengths, inv_freq).astype(k_pages.dtype)  # [rows, kvh, hd]
-        v = qkv[:, :, group + 1].astype(v_pages.dtype)
-        base = (layer * kvh + jnp.arange(kvh)) * pool  # [kvh]: each KV head's first page of this layer
-        at = (base[None, :] + page_of[:, None]) * page_size + (lengths % page_size)[:, None]  # [rows, kvh]
-        k_pages = k_pages.at[at.reshape(-1)].set(k.reshape(-1, hd))
-        v_pages = v_pages.at[at.reshape(-1)].set(v.reshape(-1, hd))
-        # each row's K/V, new token included, through its pages: [rows, kvh, positions, hd]
-        slots = ((base[None, :, None] + page_table[:, None, :]) * page_size)[..., None] + jnp.arange(page_size)
-        slots = slots.reshape(rows, kvh, -1)
-        keys, vals = k_pages[slots].astype(jnp.float32), v_pages[slots].astype(jnp.float32)
-        qg = q.astype(k_pages.dtype).astype(jnp.float32).reshape(rows, kvh, group, hd)
-        scores = jnp.einsum("rhgd,rhpd->rhgp", qg, keys) * hd ** -0.5
-        scores = jnp.where(positions[None, None, None, :] <= lengths[:, None, None, None], scores, -jnp.inf)
-        o = jnp.einsum("rhgp,rhpd->rhgd", jax.nn.softmax(scores, axis=-1), vals).reshape(rows, -1)
-        h1 = x + product("wo", layer, o)
+        k = _rope(qkv[:, :, group], lengths, inv_freq)  # [rows, kvh, hd]
+        at = (layer, heads, page_of[:, None], (lengths % page_size)[:, None])  # the new token's position
+        k_pages = k_pages.at[at].set(k.astype(k_pages.dtype))
+        v_pages = v_pages.at[at].set(qkv[:, :, group + 1].astype(v_pages.dtype))
+        o = paged_attention_reference(q.astype(k_pages.dtype)[:, None], k_pages[layer], v_pages[layer], page_table,
+                                      lengths[:, None])  # the cached positions and the new one
+        h1 = x + product("wo", layer, o.reshape(rows, -1).astype(jnp.float32))
         gu = product("w_gate_up", layer, h1, gains[1]).reshape(rows, -1, 2, BLOCK)
         h2 = h1 + product("w_down", layer, (jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(rows, -1))
         return h2, k_pages, v_pages
 
-    return jax.lax.fori_loop(0, layers, layer_step, (x.astype(jnp.float32), k_pages, v_pages))
+    h, k_pages, v_pages = jax.lax.fori_loop(0, layers, layer_step,
+                                            (x.astype(jnp.float32), k_pages.reshape(shape5), v_pages.reshape(shape5)))
+    return h, k_pages.reshape(-1, hd), v_pages.reshape(-1, hd)
 
