@@ -30,7 +30,8 @@ layers with numpy. Left to the served kernel: rows past one, real weights in the
 32 layers, us a layer): 97.8 with float16 products and converted activations (session 27); 93.3-93.7 with s8
 products on activations split into int8 parts (`--products s8 --convert --stages 2`, session 29); with
 `--numerics` 94.5-94.7, with contiguous K/V and every numeric but the new token 95.6, paged at length 200 101.6
-(session 30, int8_gpu_notes.md).
+(session 30); every numeric, paged, length 256: 101.7 at 16 positions a page, 97.4 at 128 (session 31,
+int8_gpu_notes.md).
 
 Baseline in the same run and process: session 22's skeleton (the four products of each layer, grid barriers, no
 attention) on the same weights. The bound for the served step: 32 · (this, a layer) + the head (~0.21 ms) against
@@ -81,11 +82,12 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 CONTEXT = 256  # positions of K and V an attention head streams (the decode benchmarks' context)
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
-          "no-split", "no-gain", "no-scale", "no-residual", "no-new")  # see megakernel
+          "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
 CHECKED_LAYERS = 4  # the layers --check compares (each a few seconds of float64 numpy)
+SESSION = 31  # recorded with the results
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
@@ -163,7 +165,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     "no-split" (with s8 `convert`) has the converter leave the parts as they were (wrong: the split's cost).
     With `numerics`, each leaves one part of them out (wrong, the part's cost): "no-gain" the gains and squares in
     the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream,
-    "no-new" (with real attention) the new token's K/V: not written, not attended.
+    "no-new" (with real attention) the new token's K/V: not written, not attended; "no-fold" written, not attended;
+    "no-write" attended, not written.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -225,9 +228,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if trials & {"no-gain", "no-scale", "no-residual"} and not numerics:
         raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
     full = numerics and real_attention  # the whole of a decode layer's numerics (see the docstring)
-    if numerics and real_attention and stages > 2:
+    if numerics and real_attention and "no-new" not in trials and stages > 2:
         raise ValueError(f"numerics with real attention needs stages <= 2 (at 3 its shared memory is ~240 KB of the "
-                         f"H100's 227 KB a block), got {stages}")
+                         f"H100's 227 KB a block; without the new token's fold tiles it fits), got {stages}")
     if cfg.head_dim != BLOCK_N:
         raise ValueError(f"a head is a tile: head_dim must be {BLOCK_N}, got {cfg.head_dim}")
     if real_attention and out_rows != 1:
@@ -248,6 +251,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             // 8 * 8)
     names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
     new_token = full and "no-new" not in trials  # the step's own K/V: written to its page, folded into attention
+    fold, write = new_token and "no-fold" not in trials, new_token and "no-write" not in trials
     phases = plan(cfg, programs, split, names)
     short = [ph for ph in phases if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
     if numerics and short:
@@ -309,7 +313,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         o_refs, (sqg_ref,) = take(last + 1), take(1)
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
          sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar, att_bar, rs_smem, knew_smem,
-         vnew_smem, knew_tile, vfold_smem, kv_bar) = list(at)
+         vnew_smem, fold_smem, kv_bar, fold_bar) = list(at)
         kv_ref = kv_refs[0]  # the stand-in's K/V bytes, or (real) the K pages; kv_refs[1] the V pages
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
@@ -465,7 +469,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         def rotated(lo, hi):
                             return lo * cos - hi * sin, hi * cos + lo * sin
 
-                        made = [(q_smem.at[pl.ds(0, COLS)], rotated(lo, hi))]
+                        made, later = [(q_smem.at[pl.ds(0, COLS)], rotated(lo, hi))], []
                         if full:  # q, k and v times the attention norm's 1/rms (a number a row); k rotated too
                             plgpu.barrier_wait(att_bar)
                             sq = plgpu.load(rs_smem.at[pl.ds(0, COLS)], (), layout=plgpu.Layout.WGMMA.reduce(0))
@@ -477,20 +481,32 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             q = bf16(rotated(lo * inv, hi * inv))
                             k = bf16(rotated(staged(hd) * inv, staged(hd + half) * inv))
                             v = bf16((staged(BLOCK_K + hd) * inv, staged(BLOCK_K + hd + half) * inv))
-                            made = [(q_smem.at[pl.ds(0, COLS)], q), (knew_smem, k), (vnew_smem, v)]
-                            if new_token:  # for attention's fold: k as the first row of a 64-key tile (wgmma's
-                                # A, as K's), and v in float32 (session 30's first fold summed q·k here, across the
-                                # warps: that run never finished)
-                                made += [(knew_tile.at[pl.ds(0, COLS)], k), (vfold_smem.at[pl.ds(0, COLS)], v)]
-                        for ref, halves in made:
-                            for at, val in zip((0, half), halves):
-                                qmm_gpu.store_transposed(val, ref.at[:, pl.ds(at, half)], interpreted=False)
-                        plgpu.commit_smem()
+                            # q first, published alone: attention's first block waits for it, the rest not
+                            made = [(q_smem.at[pl.ds(0, COLS)], q)]
+                            later = [(knew_smem, k), (vnew_smem, v)]
+                            if fold:  # for attention's fold, q, k and v in float32 (session 30's first fold
+                                # summed q·k here, across the warps: that run never finished; wg0 sums it)
+                                later += [(fold_smem.at[i, pl.ds(0, COLS)], a) for i, a in enumerate((q, k, v))]
 
-                    plgpu.barrier_arrive(tile_bar.at[slot])
-                    if new_token:
-                        @pl.when((u == runs[j][0]) & (lax.rem(p, group) == 0))
-                        def _():  # the group's first head writes the new token's K and V into the next position
+                        def store(made):
+                            for ref, halves in made:
+                                for at, val in zip((0, half), halves):
+                                    qmm_gpu.store_transposed(val, ref.at[:, pl.ds(at, half)], interpreted=False)
+                            plgpu.commit_smem()
+                        store(made)
+                        plgpu.barrier_arrive(tile_bar.at[slot])
+                        if later:  # (session 30 published q with these, so every block waited for the fold's)
+                            store(later)
+                        if fold:
+                            plgpu.barrier_arrive(fold_bar)  # wg0's fold waits for it after the cached blocks
+
+                    @pl.when(u != runs[j][0])
+                    def _():
+                        plgpu.barrier_arrive(tile_bar.at[slot])
+                    if write:
+                        @pl.when((u == runs[j][1] - 1) & (lax.rem(p, group) == 0))
+                        def _():  # the group's first head writes the new token's K and V into the next position,
+                            # once its last unit is handed over (session 30 wrote at the first, before the rest's)
                             entry = jnp.minimum(lax.div(length, page_size), table_ref.shape[0] - 1)
                             page = jnp.clip(table_ref[entry], 0, pool - 1)
                             row = (((layer * cfg.num_kv_heads + lax.div(p, group)) * pool + page) * page_size
@@ -601,19 +617,22 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
             def copy_weight(layer, j, u):
                 g, slot = position(layer, j, u)
+                attention_unit = real_attention and phases[j].name == "attn"
+                if attention_unit:  # the pages' table entries read before the slot's wait, not after it (session
+                    # 30: after, each block's 8 reads of global memory were on attention's path)
+                    blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
+                    base = (layer * cfg.num_kv_heads + lax.div(p, group)) * pool
+                    per_block = BLOCK_N // page_size
+                    firsts = [(base + jnp.clip(table_ref[jnp.minimum(blk * per_block + i, table_ref.shape[0] - 1)],
+                                               0, pool - 1)) * page_size for i in range(per_block)]  # (past the
+                    # length: any page)
 
                 @pl.when(g >= stages)
                 def _():
                     plgpu.barrier_wait(free_bar.at[slot])
 
-                if real_attention and phases[j].name == "attn":  # K, V, K, V, ... blocks, a page at a time, into
-                    # the slot's bfloat16 views, on kv_bar; tile_bar's arrivals are this one and the converter's
-                    blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
-                    base = (layer * cfg.num_kv_heads + lax.div(p, group)) * pool
-                    per_block = BLOCK_N // page_size
-                    firsts = [(base + jnp.clip(table_ref[jnp.minimum(blk * per_block + i, table_ref.shape[0] - 1)],
-                                               0, pool - 1)) * page_size for i in range(per_block)]  # (the table's
-                    # entries first, then the copies; past the length: any page)
+                if attention_unit:  # K, V, K, V, ... blocks, a page at a time, into the slot's bfloat16 views, on
+                    # kv_bar; tile_bar's arrivals are this one and the converter's
 
                     def copy_pages(pages, view):
                         for i, first in enumerate(firsts):
@@ -704,6 +723,36 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 def slot_of(u):
                     return lax.rem(g0 + u - begin, stages)
 
+                def finish(m, denom, acc):  # the fold (with the new token), then the head's output stored
+                    halves = [acc[at:at + qmm_gpu.ROWS] for at in range(0, cfg.head_dim, qmm_gpu.ROWS)]
+                    c = cfg.head_dim ** -0.5 * LOG2E
+                    if fold:  # the step's own K/V: one key more. Its score q·k by elementwise products and one sum
+                        # across the warpgroup, then the online softmax's update for one key (session 30's fold, a
+                        # wgmma on a 64-key tile and the softmax of a block, cost ~3 us a layer)
+                        plgpu.barrier_wait(fold_bar)
+
+                        def folded(i, at):  # the converter's [64, queries] half at `at` of q (0), k (1) or v (2)
+                            return _load_t(fold_smem.at[i, :, pl.ds(at, qmm_gpu.ROWS)])
+                        ats = range(0, cfg.head_dim, qmm_gpu.ROWS)
+                        q_k = [folded(0, at) * folded(1, at) for at in ats]
+                        score = jnp.sum(functools.reduce(jnp.add, q_k), axis=0) * c  # [queries]
+                        m_new = jnp.maximum(m, score)
+                        alpha, p_new = jnp.exp2(m - m_new), jnp.exp2(score - m_new)
+                        denom = denom * alpha + p_new
+                        halves = [h * lax.broadcast_in_dim(alpha, h.shape, [1])
+                                  + folded(2, at) * lax.broadcast_in_dim(p_new, h.shape, [1])
+                                  for at, h in zip(ats, halves)]
+                    denom = jnp.where(denom == 0.0, 1.0, denom)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), halves):
+                        qmm_gpu.store_transposed(h / lax.broadcast_in_dim(denom, h.shape, [1]),
+                                                 ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)], interpreted=False)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(ao_smem.at[pl.ds(0, out_rows)],
+                                            o_refs[phases[j].out].at[layer, pl.ds(0, out_rows),
+                                                                     pl.ds(p * cfg.head_dim, cfg.head_dim)])
+                    plgpu.wait_smem_to_gmem(0)
+
                 @pl.when(wg == 0)
                 def _():
                     col_vec = functools.partial(with_layout, layout=plgpu.Layout.WGMMA.reduce(0), interpreted=False)
@@ -738,31 +787,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         return m, denom, acc
 
                     m, denom, acc = lax.fori_loop(0, blocks, block, (m, denom, acc))
-                    halves = [acc[at:at + qmm_gpu.ROWS] for at in range(0, cfg.head_dim, qmm_gpu.ROWS)]
-                    if new_token:  # the step's own K/V: one key more, as a block of 64 keys whose first is its k
-                        # (the rest masked), by the ops of a cached block; its v from the converter's float32
-                        scores = mma_transposed(knew_tile, q_smem, interpreted=False)  # [64, queries]
-                        def iota(axis):
-                            return with_layout(lax.broadcasted_iota(jnp.int32, scores.shape, axis),
-                                               plgpu.Layout.WGMMA, interpreted=False)
-                        first = iota(0) == iota(1)  # query row j's new key is the tile's row j
-                        probs, m, denom, alpha = online_softmax(jnp.where(first, scores, -jnp.inf), m, denom, c,
-                                                                axis=0)
-                        p_new = jnp.max(probs, axis=0)  # (the only key not masked)
-                        halves = [h * lax.broadcast_in_dim(alpha, h.shape, [1])
-                                  + _load_t(vfold_smem.at[:, pl.ds(at, qmm_gpu.ROWS)])
-                                  * lax.broadcast_in_dim(p_new, h.shape, [1])
-                                  for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), halves)]
-                    denom = jnp.where(denom == 0.0, 1.0, denom)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), halves):
-                        qmm_gpu.store_transposed(h / lax.broadcast_in_dim(denom, h.shape, [1]),
-                                                 ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)], interpreted=False)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(ao_smem.at[pl.ds(0, out_rows)],
-                                            o_refs[phases[j].out].at[layer, pl.ds(0, out_rows),
-                                                                     pl.ds(p * cfg.head_dim, cfg.head_dim)])
-                    plgpu.wait_smem_to_gmem(0)
+                    finish(m, denom, acc)
 
                 @pl.when(wg == 1)
                 def _():  # the other compute warpgroup hands the slots back
@@ -903,10 +928,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((32,), jnp.float32),  # the layer's squares, a number a row (full)
             plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # the new token's k (full)
             plgpu.SMEM((COLS, cfg.head_dim) if full else (1, 64), jnp.bfloat16),  # and v
-            plgpu.SMEM((qmm_gpu.ROWS, cfg.head_dim) if full else (8, 64), jnp.bfloat16,  # its k as a key tile
-                       transforms=mma_transforms(jnp.bfloat16)),
-            plgpu.SMEM((16, cfg.head_dim) if full else (1, 32), jnp.float32),  # its v, for the fold
+            plgpu.SMEM((3, 16, cfg.head_dim) if fold else (1, 1, 32), jnp.float32),  # q, k, v for the fold
             plgpu.Barrier(num_arrivals=max(1, BLOCK_N // page_size), num_barriers=stages),  # a K/V block's pages
+            plgpu.Barrier(num_arrivals=1),  # the new token's key tile and v stored (the fold's)
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
     )
@@ -1049,7 +1073,7 @@ def main() -> None:
                                                    "stages": args.stages, "rows": args.rows,
                                                    "context": args.length if args.attention == "real" else CONTEXT,
                                                    "page_size": args.page_size if args.attention == "real" else None,
-                                                   "session": 30, "seconds_again": mega_again,
+                                                   "session": SESSION, "seconds_again": mega_again,
                                                    "trial": args.trial or None, "products": args.products,
                                                    "convert": args.convert, "prefetch": args.prefetch,
                                                    "split": args.split, "numerics": args.numerics,
@@ -1059,7 +1083,7 @@ def main() -> None:
            "seconds", mega, "s", "session 22's layer skeleton: the four products, grid barriers, no attention "
            "(same run)", base, higher_is_better=False)
     if args.served:
-        served_steps(cfg, per_layer, args.out, {"layers": args.layers, "stages": args.stages, "session": 30,
+        served_steps(cfg, per_layer, args.out, {"layers": args.layers, "stages": args.stages, "session": SESSION,
                                                 "products": args.products, "convert": args.convert,
                                                 "trial": args.trial or None})
 
