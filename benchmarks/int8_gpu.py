@@ -74,11 +74,11 @@ def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, optio
 
 
 def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None,
-                kv_dtype=jnp.bfloat16):
+                kv_dtype=jnp.bfloat16, page_size: int = PAGE_SIZE):
     """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
     step_fn compiled like the engine's steps (the state donated; `options` as in compile_step), run once."""
-    pages = -(-(context + 1) // PAGE_SIZE)
-    cache = KVCache.zeros(cfg, batch * pages, PAGE_SIZE, kv_dtype, padding_page=True)  # as the engine's
+    pages = -(-(context + 1) // page_size)
+    cache = KVCache.zeros(cfg, batch * pages, page_size, kv_dtype, padding_page=True)  # as the engine's
     state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
     step = compile_step(cfg, weights, state, inp, options)
@@ -207,6 +207,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config, few steps: checks the script on CPU")
     ap.add_argument("--context", type=int, default=256, help="tokens already in each slot's KV cache")
+    ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="positions a KV page (the engine's default: 16)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
@@ -235,6 +236,8 @@ def main() -> None:
     model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
     model += f", {cfg.num_layers} layers" if args.layers else ""
     base = {"model": model, "context": args.context, "steps": args.steps}
+    if args.page_size != PAGE_SIZE:
+        base["page_size"] = args.page_size
     options = parse_options(args.compiler_options)
     if options:
         base["compiler_options"] = options
@@ -265,7 +268,8 @@ def main() -> None:
                              else (qmm_gpu.BlockSizes(), None))
                 qmm_gpu.DEFAULT_BLOCK_SIZES = bs  # read when the step is traced
                 with ring_probes.probe(probe):
-                    steps[name] = decode_step(cfg, weights, batch, args.context, options or None)
+                    steps[name] = decode_step(cfg, weights, batch, args.context, options or None,
+                                              page_size=args.page_size)
             except Exception as e:  # the other variants still run; the failure is kept with the results
                 traceback.print_exc()
                 rows.append(record(out, "int8_decode_error", {**base, "batch": batch, "weights": name,
