@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import ClockLog, record, repeated, timed  # noqa: E402
 from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
-from jaxserve.config import ModelConfig, QuantConfig  # noqa: E402
+from jaxserve.config import EngineConfig, ModelConfig, QuantConfig  # noqa: E402
 from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import linear_bytes, quantize_weights, with_backend  # noqa: E402
@@ -48,7 +48,7 @@ from pallas_kernels.quantized_matmul import reference as qmm_ref  # noqa: E402
 LLAMA_8B = PRESETS["llama3-8b"]
 SMOKE = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=64, max_position_embeddings=1024)
-PAGE_SIZE = 16
+PAGE_SIZE = EngineConfig.page_size  # the engine's default
 
 
 def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> dict[str, np.ndarray]:
@@ -207,7 +207,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config, few steps: checks the script on CPU")
     ap.add_argument("--context", type=int, default=256, help="tokens already in each slot's KV cache")
-    ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="positions a KV page (the engine's default: 16)")
+    ap.add_argument("--page-size", type=int, default=PAGE_SIZE,
+                    help=f"positions a KV page (default {PAGE_SIZE}, the engine's)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")

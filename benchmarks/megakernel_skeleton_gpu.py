@@ -91,6 +91,12 @@ SESSION = 31  # recorded with the results
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
 
 
+def writes_new_token(numerics: bool, attention: str, trials) -> bool:
+    """Whether the kernel writes the step's new K/V into its page (every numeric and real attention, unless a
+    trial leaves it out): what --check then compares."""
+    return numerics and attention == "real" and not set(trials) & {"no-new", "no-write"}
+
+
 def qkv_tiles(cfg, head):
     """(q, k, v) tiles of qkv's sums for a head (an int or traced), in the served order (jaxserve.model.weights.Layer:
     by KV head, its query heads, its key, its value; a tile is a head: head_dim == BLOCK_N)."""
@@ -194,7 +200,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     after the cached blocks as a block of 64 keys, all but the first masked
     (the step's own K/V never go through the cache in the step that makes them: a tail block read back cost 3.3 us
     a layer); the group's first head writes them into the next position of the sequence's pages.
-    `attention`: "stand-in" (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8 `convert`): the head's q
+    `attention`: "stand-in" (a head's K and V bytes through the ring, multiplied as a product's) or "real" (s8
+    `convert`): the head's q
     from qkv's sums, rotated (RoPE, from a cos/sin input) by the converter into bfloat16; its K and V as bfloat16
     blocks of 128 positions through the ring, in the order K, V, K, V (bfloat16 views of the ring's slots); scores as
     K·qᵀ by wgmma, an online softmax, and Vᵀ·P by wgmma, all by compute warpgroup 0 (1 only waits for and hands back
@@ -251,7 +258,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             // 8 * 8)
     names = tuple(name for name in ORDER if name != "attn" or "no-attn" not in trials)
     new_token = full and "no-new" not in trials  # the step's own K/V: written to its page, folded into attention
-    fold, write = new_token and "no-fold" not in trials, new_token and "no-write" not in trials
+    fold, write = new_token and "no-fold" not in trials, writes_new_token(numerics, attention, trials)
     phases = plan(cfg, programs, split, names)
     short = [ph for ph in phases if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
     if numerics and short:
@@ -1044,7 +1051,7 @@ def main() -> None:
     if args.check:
         if not (args.products == "s8" and args.convert):
             ap.error("--check needs --products s8 --convert (layer 0 then reads the step's input)")
-        new_token = args.numerics and args.attention == "real" and "no-new" not in args.trial.split(",")
+        new_token = writes_new_token(args.numerics, args.attention, args.trial.split(","))
         pages_before = [np.asarray(a) for a in given.kv]  # (the kernel writes the new token's K/V in place)
         outs = jax.block_until_ready(mega_fn(*args_in))[:-1]
         check_layers(cfg, given, outs, args.rows, args.numerics, args.attention == "real", args.page_size,
