@@ -83,7 +83,7 @@ CONTEXT = 256  # positions of K and V an attention head streams (the decode benc
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
-          "no-auto-barriers")  # see megakernel
+          "no-auto-barriers", "per-layer")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -173,7 +173,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     With `numerics`, each leaves one part of them out (wrong, the part's cost): "no-gain" the gains and squares in
     the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream,
     "no-new" (with real attention) the new token's K/V: not written, not attended; "no-fold" written, not attended;
-    "no-write" attended, not written.
+    "no-write" attended, not written. "per-layer" (right outputs): each layer's weights and (real attention) K and V
+    pages are arrays of their own, as the engine holds them (a weight [n, k], a pool [kv heads · pool · page, hd]),
+    each copy choosing its layer's array by a tree of branches on the layer, instead of one array of every layer.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -215,6 +217,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if unknown:
         raise ValueError(f"unknown trials {sorted(unknown)}; known: {', '.join(TRIALS)}")
     x_warpgroup = "x-warpgroup" in trials
+    per_layer_refs = "per-layer" in trials
     x_load = "x-load" in trials
     if x_load and not convert:
         raise ValueError("x-load is for --convert (the converter loads the sums)")
@@ -314,7 +317,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         def take(n):
             return [next(at) for _ in range(n)]
 
-        w_refs, kv_refs, b_refs = take(4), take(2 if real_attention else 1), take(last + 1)
+        if per_layer_refs:  # each product's layers' arrays; K's and V's
+            w_refs = [take(layers) for _ in PRODUCTS]
+            kv_refs = [take(layers) for _ in range(2 if real_attention else 1)]
+        else:
+            w_refs, kv_refs = take(4), take(2 if real_attention else 1)
+        b_refs = take(last + 1)
         z_ref, g_ref = take(2)
         s_refs = dict(zip(PRODUCTS, take(4)))
         cs_ref, x0_ref, table_ref, len_ref = take(4)
@@ -348,6 +356,19 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             base = base + end - begin
         per_layer = base  # ring steps of one layer, for this program
         weight_of = dict(zip(PRODUCTS, w_refs))
+
+        def with_layer(layer, arrays, fn):  # fn(array, its first layer): the one array of every layer (0), or
+            # (per-layer) the layer's own array (layer), chosen by a binary tree of branches
+            if not per_layer_refs:
+                return fn(arrays, 0)
+
+            def tree(lo, hi):
+                if hi - lo == 1:
+                    return fn(arrays[lo], layer)
+                mid = (lo + hi) // 2
+                pl.when(layer < mid)(lambda: tree(lo, mid))
+                pl.when(layer >= mid)(lambda: tree(mid, hi))
+            tree(0, layers)
 
         def position(layer, j, u):  # (ring step, slot) of phase j's unit u
             g = layer * per_layer + bases[j] + u - runs[j][0]
@@ -517,10 +538,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             # once its last unit is handed over (session 30 wrote at the first, before the rest's)
                             entry = jnp.minimum(lax.div(length, page_size), table_ref.shape[0] - 1)
                             page = jnp.clip(table_ref[entry], 0, pool - 1)
-                            row = (((layer * cfg.num_kv_heads + lax.div(p, group)) * pool + page) * page_size
-                                   + lax.rem(length, page_size))
                             for src, pages in zip((knew_smem, vnew_smem), kv_refs):
-                                plgpu.copy_smem_to_gmem(src.at[pl.ds(0, 1)], pages.at[pl.ds(row, 1)])
+                                def write_row(pages, first, src=src):
+                                    row = (((layer - first) * cfg.num_kv_heads + lax.div(p, group)) * pool + page
+                                           ) * page_size + lax.rem(length, page_size)
+                                    plgpu.copy_smem_to_gmem(src.at[pl.ds(0, 1)], pages.at[pl.ds(row, 1)])
+                                with_layer(layer, pages, write_row)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (all awaited at the end)
                     return
                 if x_load:  # the sums by this warpgroup's own (coalesced) loads, a row at a time, into the staging
@@ -603,14 +626,18 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def weight_src(layer, j, u):  # phase j's unit u's weights (attention: its K or V) in global memory
+            def with_weight(layer, j, u, fn):  # fn(phase j's unit u's weights (attention: its K or V) in global
+                # memory)
                 ph = phases[j]
-                if ph.stream_k:
-                    return weight_of[ph.name].at[pl.ds(layer * ph.n + (ph.tile0 + lax.div(u, ph.steps)) * BLOCK_N,
-                                                       BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)]
-                kv_head = lax.div(p, group)
-                return kv_ref.at[pl.ds(((layer * cfg.num_kv_heads + kv_head) * ph.steps + lax.rem(u, ph.steps))
-                                       * BLOCK_N, BLOCK_N)]
+
+                def src(array, first):
+                    if ph.stream_k:
+                        return fn(array.at[pl.ds((layer - first) * ph.n + (ph.tile0 + lax.div(u, ph.steps)) * BLOCK_N,
+                                                 BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)])
+                    kv_head = lax.div(p, group)
+                    return fn(array.at[pl.ds((((layer - first) * cfg.num_kv_heads + kv_head) * ph.steps
+                                              + lax.rem(u, ph.steps)) * BLOCK_N, BLOCK_N)])
+                with_layer(layer, weight_of[ph.name] if ph.stream_k else kv_ref, src)
 
             def prefetch_step(g):  # the weights of this program's ring step g (if in this call) into L2
                 layer, r = lax.div(g, per_layer), lax.rem(g, per_layer)
@@ -621,7 +648,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                     @pl.when((layer < layers) & (r >= lo) & (r < hi))
                     def _(jj=jj, lo=lo):
-                        plgpu.async_prefetch(weight_src(layer, jj, runs[jj][0] + r - lo))
+                        with_weight(layer, jj, runs[jj][0] + r - lo, plgpu.async_prefetch)
 
             def copy_weight(layer, j, u):
                 g, slot = position(layer, j, u)
@@ -629,7 +656,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 if attention_unit:  # the pages' table entries read before the slot's wait, not after it (session
                     # 30: after, each block's 8 reads of global memory were on attention's path)
                     blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
-                    base = (layer * cfg.num_kv_heads + lax.div(p, group)) * pool
+                    base = lax.div(p, group) * pool  # (the layer's own array: per-layer)
+                    if not per_layer_refs:
+                        base = base + layer * cfg.num_kv_heads * pool
                     per_block = BLOCK_N // page_size
                     firsts = [(base + jnp.clip(table_ref[jnp.minimum(blk * per_block + i, table_ref.shape[0] - 1)],
                                                0, pool - 1)) * page_size for i in range(per_block)]  # (past the
@@ -647,11 +676,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             plgpu.copy_gmem_to_smem(pages.at[pl.ds(first, page_size)],
                                                     view.at[slot, pl.ds(i * page_size, page_size)], kv_bar.at[slot])
 
-                    pl.when(is_k)(lambda: copy_pages(kv_refs[0], k_view))
-                    pl.when(~is_k)(lambda: copy_pages(kv_refs[1], v_view))
+                    pl.when(is_k)(lambda: with_layer(layer, kv_refs[0], lambda a, _: copy_pages(a, k_view)))
+                    pl.when(~is_k)(lambda: with_layer(layer, kv_refs[1], lambda a, _: copy_pages(a, v_view)))
                     plgpu.barrier_arrive(tile_bar.at[slot])
                 else:
-                    plgpu.copy_gmem_to_smem(weight_src(layer, j, u), w_smem.at[slot], tile_bar.at[slot])
+                    with_weight(layer, j, u, lambda src: plgpu.copy_gmem_to_smem(src, w_smem.at[slot],
+                                                                                 tile_bar.at[slot]))
                 if prefetch:
                     prefetch_step(g + prefetch)
 
@@ -961,7 +991,12 @@ class Inputs(NamedTuple):
     table: jax.Array  # the sequence's pages [pages] int32 (real attention)
     length: jax.Array  # [1] int32: its positions in the cache (real attention; the new token's is next)
 
-    def flat(self) -> list:
+    def flat(self, per_layer: bool = False) -> list:
+        """(per_layer: each weight and pool as `layers` arrays of their own, in layer order)"""
+        if per_layer:
+            layers = len(self.gains)
+            return [*(part for a in [*self.weights, *self.kv] for part in jnp.split(a, layers)), *self.bs,
+                    self.zeros, self.gains, *self.scales, self.cos_sin, self.x0, self.table, self.length]
         return [*self.weights, *self.kv, *self.bs, self.zeros, self.gains, *self.scales, self.cos_sin, self.x0,
                 self.table, self.length]
 
@@ -1037,7 +1072,8 @@ def main() -> None:
                                 args.attention, args.page_size, pool)
     key = jax.random.PRNGKey(0)
     given = inputs(cfg, args.layers, phases, key, args.products, args.attention, args.length, args.page_size, pool)
-    args_in, weights = given.flat(), given.weights
+    per_layer_refs = "per-layer" in args.trial.split(",")
+    args_in, weights = given.flat(per_layer_refs), given.weights
     products = layer_products(cfg)
     shapes = [products[name] for name in PHASES]
     layer_weights = [weights[PRODUCTS.index(name)] for name in PHASES]
@@ -1058,6 +1094,10 @@ def main() -> None:
         new_token = writes_new_token(args.numerics, args.attention, args.trial.split(","))
         pages_before = [np.asarray(a) for a in given.kv]  # (the kernel writes the new token's K/V in place)
         outs = jax.block_until_ready(mega_fn(*args_in))[:-1]
+        if per_layer_refs:  # the pages the kernel wrote, in the layers' own arrays
+            pools = args_in[len(PRODUCTS) * args.layers:][:len(given.kv) * args.layers]
+            given = given._replace(kv=[jnp.concatenate(pools[i * args.layers:(i + 1) * args.layers])
+                                       for i in range(len(given.kv))])
         check_layers(cfg, given, outs, args.rows, args.numerics, args.attention == "real", args.page_size,
                      new_token)
         if new_token:
