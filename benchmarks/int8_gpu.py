@@ -42,6 +42,7 @@ from jaxserve.model.quant import linear_bytes, quantize_weights, with_backend  #
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
 from jaxserve.step import DeviceState, step_fn  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
+from pallas_kernels.decode_megakernel.mosaic_gpu import layer_products  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul import reference as qmm_ref  # noqa: E402
 
@@ -95,12 +96,6 @@ def run_steps(step, weights, state, inp, steps: int):
     jax.block_until_ready(packed)
     return (time.perf_counter() - t0) / steps, state
 
-
-def layer_products(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(n, k) of each quantized product of a layer: output channels, inputs."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    return {"wqkv": (qkv, d), "wo": (d, d), "w_gate_up": (2 * f, d), "w_down": (d, f)}
 
 
 def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:

@@ -41,31 +41,12 @@ from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
+from pallas_kernels.decode_megakernel.mosaic_gpu import BLOCK_K, BLOCK_N, COLS, s8_sums  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 from pallas_kernels.quantized_mlp.mosaic_gpu import depart  # noqa: E402
 
-BLOCK_N, BLOCK_K, COLS = 128, 256, 8  # output rows a tile, inputs a step, B columns
 PHASES = ("wo", "w_gate_up", "w_down", "wqkv")  # a layer's products in the order a decode step runs them
 
-
-def s8_sums(w_smem, tile_bar, free_bar, rows, start, stop, slot_of, b_of):
-    """int32 [64, COLS]: the int8 weight rows `rows` of ring steps [start, stop) (step u in slot slot_of(u)) times
-    the int8 B that b_of(slot, u, c) gives for the step's 128 inputs from c ([COLS, 128], read K-major), by int8
-    wgmma straight from shared memory (no conversion); each slot is handed back on free_bar once read."""
-    def accumulate(acc_ref):
-        def step(u, carry):
-            slot = slot_of(u)
-            plgpu.barrier_wait(tile_bar.at[slot])
-            for c in range(0, BLOCK_K, 128):
-                plgpu.wgmma(acc_ref, w_smem.at[slot, rows, pl.ds(c, 128)], b_of(slot, u, c).transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free_bar.at[slot])
-            return carry
-
-        lax.fori_loop(start, stop, step, None)
-        return acc_ref[...]
-
-    return pl.run_scoped(accumulate, plgpu.ACC((qmm_gpu.ROWS, COLS), jnp.int32))
 
 
 def skeleton(shapes: list[tuple[int, int]], layers: int, programs: int, stages: int, barriers: bool = True,

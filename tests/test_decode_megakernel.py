@@ -66,3 +66,76 @@ def test_stack_layers_refuses_what_the_megakernel_does_not_take():
         stack_layers(CFG, grouped.layers)
     with pytest.raises(ValueError, match="layer 0's wqkv must be int8 .* got Array"):
         stack_layers(CFG, random_weights(CFG, jax.random.PRNGKey(0)).layers)
+
+
+LLAMA_8B_2 = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=2, num_heads=32,
+                         num_kv_heads=8, head_dim=128, rope_theta=500000.0)  # the kernel's shapes, two layers
+
+
+def _stacked_inputs(cfg, length: int, page_size: int, abstract: bool = False):
+    """Random stacked int8 layers and bfloat16 pages for the kernel: (st, x, k_pages, v_pages, table, lengths);
+    K an eighth of V's size, so that the cached scores are O(1) and a key more or less shows. `abstract`: shapes only."""
+    from jax import ShapeDtypeStruct as Spec
+
+    from pallas_kernels.decode_megakernel.mosaic_gpu import layer_products
+    from pallas_kernels.decode_megakernel.reference import PRODUCTS, StackedLayers
+
+    layers, shapes = cfg.num_layers, layer_products(cfg)
+    pages = -(-(length + 1) // page_size)
+    pool = 2 * pages
+    rows = layers * cfg.num_kv_heads * pool * page_size
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
+    if abstract:
+        values = [Spec((layers * shapes[n][0], shapes[n][1]), jnp.int8) for n in PRODUCTS]
+        scales = [Spec((layers * shapes[n][0],), jnp.float32) for n in PRODUCTS]
+        return (StackedLayers(tuple(values), tuple(scales), Spec((layers, 2, cfg.hidden_size), jnp.float32)),
+                Spec((1, cfg.hidden_size), jnp.float32), Spec((rows, cfg.head_dim), jnp.bfloat16),
+                Spec((rows, cfg.head_dim), jnp.bfloat16), Spec((1, pages), jnp.int32), Spec((1,), jnp.int32))
+    values = [jax.random.randint(next(keys), (layers * shapes[n][0], shapes[n][1]), -127, 128, jnp.int32
+                                 ).astype(jnp.int8) for n in PRODUCTS]
+    scales = [jax.random.uniform(next(keys), (layers * shapes[n][0],), jnp.float32, 1e-3, 2e-3) for n in PRODUCTS]
+    gains = jax.random.uniform(next(keys), (layers, 2, cfg.hidden_size), jnp.float32, 0.5, 2.0)
+    k_pages, v_pages = [(jax.random.normal(next(keys), (rows, cfg.head_dim)) * size).astype(jnp.bfloat16)
+                        for size in (0.125, 1.0)]
+    table = jnp.asarray(np.random.RandomState(0).permutation(pool)[:pages][None], jnp.int32)
+    x = jax.random.normal(next(keys), (1, cfg.hidden_size), jnp.float32)
+    return (StackedLayers(tuple(values), tuple(scales), gains), x, k_pages, v_pages, table,
+            jnp.asarray([length], jnp.int32))
+
+
+def test_megakernel_lowers_for_the_gpu():
+    """The Mosaic GPU megakernel builds and lowers for CUDA (no GPU needed: shapes only), and refuses more than
+    one row by name."""
+    from pallas_kernels.decode_megakernel import mosaic_gpu
+
+    cfg = ModelConfig(**{**LLAMA_8B_2.__dict__, "num_layers": 1})
+    st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, 200, 16, abstract=True)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    fn = jax.jit(lambda *a: mosaic_gpu.decode_layers(cfg, *a, inv_freq, 16))
+    fn.trace(st, x, k_pages, v_pages, table, lengths).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match=r"one row: x must be \[1, 4096\], got \(2, 4096\)"):
+        mosaic_gpu.decode_layers(cfg, st, jax.ShapeDtypeStruct((2, 4096), jnp.float32), k_pages, v_pages, table,
+                                 lengths, inv_freq, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length,page_size", [(200, 16), (256, 128)])
+def test_megakernel_is_the_reference_on_the_gpu(length, page_size):
+    """Two 8B-shaped layers by the kernel and by reference.decode_layers, on random int8 weights and pages: the
+    layers' output and every K/V page (the new token's written) agree; a partial last block at 200 positions."""
+    from pallas_kernels.decode_megakernel import mosaic_gpu, reference
+
+    assert jax.default_backend() == "gpu"
+    cfg = LLAMA_8B_2
+    st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, length, page_size)
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda *a: reference.decode_layers(cfg, *a, inv_freq, page_size))(
+            st, x, k_pages, v_pages, table, lengths)
+    got = jax.jit(lambda *a: mosaic_gpu.decode_layers(cfg, *a, inv_freq, page_size))(
+        st, x, k_pages, v_pages, table, lengths)
+    for name, g, w in zip(("h", "K pages", "V pages"), got, want):
+        g, w = np.asarray(g, np.float64), np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+        error = np.abs(g - w).max() / np.abs(w).max()
+        assert error < 3e-2, f"{name}: {error:.2e}"  # (bfloat16 q and P in the kernel, float32 in the reference)
+    assert not np.array_equal(np.asarray(got[1]), np.asarray(k_pages))  # the new token's K was written
