@@ -139,3 +139,24 @@ def test_megakernel_is_the_reference_on_the_gpu(length, page_size):
         error = np.abs(g - w).max() / np.abs(w).max()
         assert error < 3e-2, f"{name}: {error:.2e}"  # (bfloat16 q and P in the kernel, float32 in the reference)
     assert not np.array_equal(np.asarray(got[1]), np.asarray(k_pages))  # the new token's K was written
+
+
+def test_model_decode_through_the_stacked_layers_is_forward():
+    """jaxserve.model.transformer.decode_stacked (the reference backend on CPU) against forward at batch 1: the
+    same logits and the same K/V written, after a prompt of 6 tokens that crosses a page."""
+    from jaxserve.model.transformer import decode_stacked
+
+    weights = _model()
+    table = np.array([[3, 0, 6]], np.int32)
+    cache = KVCache.zeros(CFG, 8, PAGE, jnp.float32)
+    prompt = jax.random.randint(jax.random.PRNGKey(5), (1, 6), 0, CFG.vocab_size)
+    positions = jnp.arange(6, dtype=jnp.int32)[None]
+    cache = forward(weights, CFG, prompt, positions, jnp.ones((1, 6), bool), jnp.asarray(table), cache).cache
+    token, lengths = jnp.asarray([[7]], jnp.int32), jnp.asarray([6], jnp.int32)
+    out = forward(weights, CFG, token, lengths[:, None], jnp.ones((1, 1), bool), jnp.asarray(table), cache)
+    logits, k_pages, v_pages = decode_stacked(weights, stack_layers(CFG, weights.layers), CFG, token, lengths,
+                                              jnp.asarray(table), stack_pages(cache.k), stack_pages(cache.v), PAGE,
+                                              backend="reference")
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(out.logits[:, 0]), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(k_pages), np.asarray(stack_pages(out.cache.k)), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(v_pages), np.asarray(stack_pages(out.cache.v)), rtol=2e-4, atol=2e-4)

@@ -39,7 +39,7 @@ class StackedLayers(NamedTuple):
     gains: jax.Array  # float32 [layers, 2, d]
 
 
-def _blocked_gate_up(a: np.ndarray) -> np.ndarray:
+def _blocked_gate_up(a: jax.Array) -> jax.Array:
     """[ffn, 2, ...] (gate and up interleaved a channel at a time, the served order) -> [2 · ffn, ...] in blocks of
     BLOCK channels: the block's gate rows, then its up rows."""
     ffn = a.shape[0]
@@ -47,9 +47,9 @@ def _blocked_gate_up(a: np.ndarray) -> np.ndarray:
 
 
 def stack_layers(cfg: Any, layers: Sequence[Any]) -> StackedLayers:
-    """The layers of int8 weights (jaxserve.model.quant.QuantizedArray, one scale a channel) stacked. Raises
-    ValueError naming what the megakernel does not take: float or grouped weights, biases, an ffn not in blocks
-    of BLOCK channels."""
+    """The layers of int8 weights (jaxserve.model.quant.QuantizedArray, one scale a channel) stacked, where the
+    weights are (on their device). Raises ValueError naming what the megakernel does not take: float or grouped
+    weights, biases, an ffn not in blocks of BLOCK channels."""
     if cfg.intermediate_size % BLOCK:
         raise ValueError(f"the megakernel takes gate_up in blocks of {BLOCK} channels: intermediate_size="
                          f"{cfg.intermediate_size} is not a multiple of {BLOCK}")
@@ -64,16 +64,15 @@ def stack_layers(cfg: Any, layers: Sequence[Any]) -> StackedLayers:
                 raise ValueError(f"layer {i}'s {name} must be int8 with one scale a channel (QuantizedArray, "
                                  f"group_size 0), got {type(w).__name__}"
                                  + (f" with group_size {w.group_size}" if hasattr(w, "group_size") else ""))
-            v, s = np.asarray(w.values), np.asarray(w.scales)[0]  # [*out, *in], [*out]
+            v, s = w.values, w.scales[0]  # [*out, *in], [*out]
             if name == "w_gate_up":
                 v, s = _blocked_gate_up(v), _blocked_gate_up(s)
             k = int(np.prod(v.shape[v.ndim - w.in_ndim:]))
             values[name].append(v.reshape(-1, k))
-            scales[name].append(s.reshape(-1).astype(np.float32))
-        gains.append(np.stack([np.asarray(layer.attn_norm, np.float32), np.asarray(layer.mlp_norm, np.float32)]))
-    return StackedLayers(tuple(jnp.asarray(np.concatenate(values[n])) for n in PRODUCTS),
-                         tuple(jnp.asarray(np.concatenate(scales[n])) for n in PRODUCTS),
-                         jnp.asarray(np.stack(gains)))
+            scales[name].append(s.reshape(-1).astype(jnp.float32))
+        gains.append(jnp.stack([jnp.asarray(layer.attn_norm, jnp.float32), jnp.asarray(layer.mlp_norm, jnp.float32)]))
+    return StackedLayers(tuple(jnp.concatenate(values[n]) for n in PRODUCTS),
+                         tuple(jnp.concatenate(scales[n]) for n in PRODUCTS), jnp.stack(gains))
 
 
 def stack_pages(pages: Sequence[jax.Array]) -> jax.Array:

@@ -1,0 +1,141 @@
+"""A batch-1 decode step through the decode megakernel against the served steps, on an 8B-shaped Llama (H100).
+
+Three steps in one process, each from the same token at context 256, dispatched back to back as the engine does:
+- bfloat16, jaxserve's served step (`jaxserve.step.step_fn` through `int8_gpu.decode_step`): the baseline;
+- int8, the served step (one Pallas kernel a product, XLA between them): today's ratio;
+- int8 through the megakernel: `jaxserve.model.transformer.decode_stacked` (embedding, every layer in
+  `pallas_kernels.decode_megakernel`'s one kernel, final norm and head) and the greedy token, with the int8 layers
+  stacked (`stack_layers`) and the K/V pages stacked across the layers (`stack_pages`), at 16- and 128-position
+  pages.
+Before timing, the megakernel's logits are checked against the served int8 step's on the served step's own cache
+(its pages stacked): the same model, the same K/V.
+
+    PYTHONPATH=. python3 benchmarks/megakernel_step_gpu.py     # writes benchmarks/results/megakernel_step_gpu.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import record  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, decode_step, run_steps  # noqa: E402
+from jaxserve.config import QuantConfig  # noqa: E402
+from jaxserve.model.quant import quantize_weights  # noqa: E402
+from jaxserve.model.transformer import decode_stacked  # noqa: E402
+from jaxserve.model.weights import random_weights  # noqa: E402
+from jaxserve.step import _greedy  # noqa: E402  (the served step's greedy token, for the same work after the head)
+from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: E402
+
+CONTEXT = 256  # tokens already cached (int8_gpu.py's)
+
+
+def megakernel_step(cfg, page_size: int):
+    """jit of (weights, stacked layers, tokens, lengths, table, k, v) -> (token, its log-probability, k, v), the
+    pages donated (written in place)."""
+    def step(weights, layers, tokens, lengths, table, k_pages, v_pages):
+        logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens, lengths, table, k_pages, v_pages,
+                                                  page_size, backend="mosaic_gpu")
+        token, chosen = _greedy(logits)
+        return token, chosen, logits, k_pages, v_pages
+
+    return jax.jit(step, donate_argnums=(5, 6))
+
+
+def time_megakernel(fn, args, pages, steps: int) -> tuple[float, tuple]:
+    """(seconds a step over `steps` steps dispatched back to back, the pages fed from one step to the next; the
+    pages)."""
+    k_pages, v_pages = pages
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token, _, _, k_pages, v_pages = fn(*args, k_pages, v_pages)
+    jax.block_until_ready(token)
+    return (time.perf_counter() - t0) / steps, (k_pages, v_pages)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
+    ap.add_argument("--out", default="benchmarks/results/megakernel_step_gpu.jsonl")
+    args = ap.parse_args()
+    cfg = dataclasses.replace(LLAMA_8B, num_layers=args.layers or LLAMA_8B.num_layers)
+    print(f"{jax.devices()[0]} jax {jax.__version__}, {cfg.num_layers} layers", flush=True)
+
+    bf16_weights = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    int8_weights = quantize_weights(bf16_weights, QuantConfig(mode="int8"), jnp.bfloat16)
+    bf16 = decode_step(cfg, bf16_weights, 1, CONTEXT)  # (step, state, inp), run once
+    int8 = decode_step(cfg, int8_weights, 1, CONTEXT)
+    layers = stack_layers(cfg, int8_weights.layers)
+    page_size = int8[1].cache.page_size
+    inp = int8[2]
+    tokens, lengths = jnp.asarray(inp["tokens"]), jnp.asarray(inp["positions"][:, 0])
+    table = jnp.asarray(inp["page_table"])
+
+    # the check: the served int8 step again on its cache, against the megakernel on that cache stacked
+    state = int8[1]
+    pages = (stack_pages(state.cache.k), stack_pages(state.cache.v))  # (copies: the served step donates its state)
+    _, served_logits, state = int8[0](int8_weights, state, inp)
+    int8 = (int8[0], state, inp)
+    fns = {page_size: megakernel_step(cfg, page_size)}
+    t0 = time.perf_counter()
+    token, _, logits, *pages = fns[page_size](int8_weights, layers, tokens, lengths, table, *pages)
+    print(f"megakernel step compiled and run in {time.perf_counter() - t0:.0f} s", flush=True)
+    want, got = np.asarray(served_logits[0], np.float64), np.asarray(logits[0], np.float64)
+    error = float(np.abs(got - want).max() / np.abs(want).max())
+    agree = int(token[0]) == int(np.argmax(want))
+    print(f"megakernel logits against the served int8 step's: largest error {error:.2e} of the largest; greedy "
+          f"token {'the same' if agree else 'differs'}", flush=True)
+    if not error < 5e-2:
+        raise SystemExit("the megakernel's logits are not the served step's")
+
+    # 128-position pages: a fresh stacked pool of the same context
+    big = 128
+    pool = -(-(CONTEXT + 1) // big)
+    rows = cfg.num_layers * cfg.num_kv_heads * pool * big
+    big_pages = [jnp.zeros((rows, cfg.head_dim), jnp.bfloat16) for _ in range(2)]
+    big_table = jnp.arange(pool, dtype=jnp.int32)[None]
+    fns[big] = megakernel_step(cfg, big)
+    *_, big_pages[0], big_pages[1] = fns[big](int8_weights, layers, tokens, lengths, big_table, *big_pages)
+
+    times = {"bfloat16": [], "int8": [], page_size: [], big: []}
+    states = {"bfloat16": bf16[1], "int8": int8[1]}
+    weights = {"bfloat16": bf16_weights, "int8": int8_weights}
+    steps_of = {"bfloat16": bf16, "int8": int8}
+    mk = {page_size: (table, pages), big: (big_table, tuple(big_pages))}
+    for _ in range(args.reps):  # alternated
+        for name in ("bfloat16", "int8"):
+            t, states[name] = run_steps(steps_of[name][0], weights[name], states[name], steps_of[name][2],
+                                        args.steps)
+            times[name].append(t)
+        for size in (page_size, big):
+            t, new_pages = time_megakernel(fns[size], (int8_weights, layers, tokens, lengths, mk[size][0]),
+                                           mk[size][1], args.steps)
+            mk[size] = (mk[size][0], new_pages)
+            times[size].append(t)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    base = med["bfloat16"]
+    print(f"\n{'step (batch 1, context 256)':<44}{'ms':>8}{'tokens/s':>10}{'vs bfloat16':>13}")
+    for key, label in (("bfloat16", "bfloat16, served"), ("int8", "int8, served"),
+                       (page_size, f"int8, megakernel, {page_size}-position pages"),
+                       (big, f"int8, megakernel, {big}-position pages")):
+        print(f"{label:<44}{med[key] * 1e3:>8.3f}{1 / med[key]:>10.1f}{base / med[key]:>12.3f}x")
+        config = {"model": "8B-shaped Llama, random weights", "layers": cfg.num_layers, "context": CONTEXT,
+                  "batch": 1, "steps": args.steps, "reps": args.reps, "step": label,
+                  "logits_error_vs_served_int8": error, "greedy_agrees": agree}
+        if key != "bfloat16":
+            record(args.out, "megakernel_decode_step", config, "tokens_per_s", 1 / med[key], "tokens/s",
+                   "bfloat16 served step, batch 1 (same process)", 1 / base)
+
+
+if __name__ == "__main__":
+    main()
