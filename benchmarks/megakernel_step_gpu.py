@@ -38,12 +38,12 @@ from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: 
 CONTEXT = 256  # tokens already cached (int8_gpu.py's)
 
 
-def megakernel_step(cfg, page_size: int):
+def megakernel_step(cfg, page_size: int, trial: str = ""):
     """jit of (weights, stacked layers, tokens, lengths, table, k, v) -> (token, its log-probability, k, v), the
     pages donated (written in place)."""
     def step(weights, layers, tokens, lengths, table, k_pages, v_pages):
         logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens, lengths, table, k_pages, v_pages,
-                                                  page_size, backend="mosaic_gpu")
+                                                  page_size, backend="mosaic_gpu", trial=trial)
         token, chosen = _greedy(logits)
         return token, chosen, logits, k_pages, v_pages
 
@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
+    ap.add_argument("--trial", default="", help="also time the megakernel with this trial (e.g. no-auto-barriers)")
+    ap.add_argument("--hlo", action="store_true", help="print the megakernel step's compiled operations")
     ap.add_argument("--out", default="benchmarks/results/megakernel_step_gpu.jsonl")
     args = ap.parse_args()
     cfg = dataclasses.replace(LLAMA_8B, num_layers=args.layers or LLAMA_8B.num_layers)
@@ -102,33 +104,47 @@ def main() -> None:
     big = 128
     pool = -(-(CONTEXT + 1) // big)
     rows = cfg.num_layers * cfg.num_kv_heads * pool * big
-    big_pages = [jnp.zeros((rows, cfg.head_dim), jnp.bfloat16) for _ in range(2)]
     big_table = jnp.arange(pool, dtype=jnp.int32)[None]
-    fns[big] = megakernel_step(cfg, big)
-    *_, big_pages[0], big_pages[1] = fns[big](int8_weights, layers, tokens, lengths, big_table, *big_pages)
+    trials = [""] + ([args.trial] if args.trial else [])
+    mk = {(page_size, ""): (table, tuple(pages))}  # (page size, trial) -> (table, pages)
+    for trial in trials:
+        for size in (page_size, big):
+            if (size, trial) not in mk:
+                fns[size, trial] = megakernel_step(cfg, size, trial)
+                mk[size, trial] = ((table, tuple(stack_pages(c) for c in (state.cache.k, state.cache.v)))
+                                   if size == page_size else
+                                   (big_table, tuple(jnp.zeros((rows, cfg.head_dim), jnp.bfloat16) for _ in range(2))))
+            if args.hlo and size == big:
+                fn = fns.get((size, trial), fns.get(size))
+                print_ops(fn.lower(int8_weights, layers, tokens, lengths, *mk[size, trial][0:1], *mk[size, trial][1]))
+    fns[page_size, ""] = fns.pop(page_size)
+    for key in mk:  # once each, compiled
+        table_, pages_ = mk[key]
+        *_, k_pages, v_pages = fns[key](int8_weights, layers, tokens, lengths, table_, *pages_)
+        mk[key] = (table_, (k_pages, v_pages))
 
-    times = {"bfloat16": [], "int8": [], page_size: [], big: []}
+    times = {"bfloat16": [], "int8": [], **{key: [] for key in mk}}
     states = {"bfloat16": bf16[1], "int8": int8[1]}
     weights = {"bfloat16": bf16_weights, "int8": int8_weights}
     steps_of = {"bfloat16": bf16, "int8": int8}
-    mk = {page_size: (table, pages), big: (big_table, tuple(big_pages))}
     for _ in range(args.reps):  # alternated
         for name in ("bfloat16", "int8"):
             t, states[name] = run_steps(steps_of[name][0], weights[name], states[name], steps_of[name][2],
                                         args.steps)
             times[name].append(t)
-        for size in (page_size, big):
-            t, new_pages = time_megakernel(fns[size], (int8_weights, layers, tokens, lengths, mk[size][0]),
-                                           mk[size][1], args.steps)
-            mk[size] = (mk[size][0], new_pages)
-            times[size].append(t)
+        for key in mk:
+            t, new_pages = time_megakernel(fns[key], (int8_weights, layers, tokens, lengths, mk[key][0]),
+                                           mk[key][1], args.steps)
+            mk[key] = (mk[key][0], new_pages)
+            times[key].append(t)
     med = {k: float(np.median(v)) for k, v in times.items()}
     base = med["bfloat16"]
-    print(f"\n{'step (batch 1, context 256)':<44}{'ms':>8}{'tokens/s':>10}{'vs bfloat16':>13}")
-    for key, label in (("bfloat16", "bfloat16, served"), ("int8", "int8, served"),
-                       (page_size, f"int8, megakernel, {page_size}-position pages"),
-                       (big, f"int8, megakernel, {big}-position pages")):
-        print(f"{label:<44}{med[key] * 1e3:>8.3f}{1 / med[key]:>10.1f}{base / med[key]:>12.3f}x")
+    print(f"\n{'step (batch 1, context 256)':<56}{'ms':>8}{'tokens/s':>10}{'vs bfloat16':>13}")
+    labels = {"bfloat16": "bfloat16, served", "int8": "int8, served",
+              **{key: f"int8, megakernel, {key[0]}-position pages{f', trial {key[1]}' if key[1] else ''}"
+                 for key in mk}}
+    for key, label in labels.items():
+        print(f"{label:<56}{med[key] * 1e3:>8.3f}{1 / med[key]:>10.1f}{base / med[key]:>12.3f}x")
         config = {"model": "8B-shaped Llama, random weights", "layers": cfg.num_layers, "context": CONTEXT,
                   "batch": 1, "steps": args.steps, "reps": args.reps, "step": label,
                   "logits_error_vs_served_int8": error, "greedy_agrees": agree}
@@ -136,6 +152,17 @@ def main() -> None:
             record(args.out, "megakernel_decode_step", config, "tokens_per_s", 1 / med[key], "tokens/s",
                    "bfloat16 served step, batch 1 (same process)", 1 / base)
 
+
+def print_ops(lowered) -> None:
+    """The compiled step's top-level operations (what runs around the kernel), by kind, with their shapes."""
+    text = lowered.compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    skip = ("parameter(", "get-tuple-element(", "tuple(", "bitcast(", "constant(")
+    ops = [line.strip() for line in entry.split("\n")[1:] if not any(k in line for k in skip)]
+    print(f"the megakernel step, compiled: {len(ops)} operations besides parameters and tuples", flush=True)
+    for op in ops:
+        print("   ", op[:200], flush=True)
 
 if __name__ == "__main__":
     main()

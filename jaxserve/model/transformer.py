@@ -144,16 +144,17 @@ def forward(
 
 def decode_stacked(weights: Weights, layers: decode_megakernel.StackedLayers, cfg: ModelConfig, tokens: jax.Array,
                    lengths: jax.Array, page_table: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_size: int,
-                   *, backend: str = "auto") -> tuple[jax.Array, jax.Array, jax.Array]:
+                   *, backend: str = "auto", **options: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One decode step of one row through the decode megakernel: tokens [1, 1] at position lengths [1] (the
     positions cached), its pages page_table [1, pages], the int8 layers stacked (decode_megakernel.stack_layers) and
     the K/V pages stacked across the layers (stack_pages) -> (logits [1, vocab] float32, k_pages, v_pages with the
     token's K/V written). `weights` gives the embedding, the final norm and the head (its layers are not read).
-    The same step as `forward`'s at batch 1, with every layer in one kernel on a GPU (`backend`)."""
+    The same step as `forward`'s at batch 1, with every layer in one kernel on a GPU (`backend`; `options` go to
+    decode_megakernel.decode_layers)."""
     x = embed_lookup(weights.embed, tokens, jnp.float32)[:, 0]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     h, k_pages, v_pages = decode_megakernel.decode_layers(cfg, layers, x, k_pages, v_pages, page_table, lengths,
-                                                          inv_freq, page_size, backend=backend)
+                                                          inv_freq, page_size, backend=backend, **options)
     head = weights.embed if weights.lm_head is None else weights.lm_head
     logits = normed_linear(h.astype(weights.final_norm.dtype), weights.final_norm, head, cfg.rms_norm_eps,
                            preferred_element_type=jnp.float32)

@@ -970,12 +970,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
 def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                   lengths: jax.Array, inv_freq: np.ndarray, page_size: int, *, programs: int | None = None,
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  trial: str = "") -> tuple[jax.Array, jax.Array, jax.Array]:
     """reference.decode_layers in one kernel, for one row: x [1, d] (the new token, embedded), st the stacked int8
     layers (reference.stack_layers), K and V pages stacked (reference.stack_pages, bfloat16) of page_size positions,
     page_table [1, pages] int32, lengths [1] int32 (positions cached, at least 1; the new token's is next and its
     page must be in the table), inv_freq the rotary frequencies [head_dim / 2] -> (h [1, d] float32, the layers'
     output before the final norm; k_pages; v_pages with the new K/V written in place).
+    `trial`: one of megakernel's trials that keep the outputs right, for benchmarks (e.g. "no-auto-barriers").
     Raises ValueError naming what the kernel does not take."""
     layers = st.gains.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
@@ -994,7 +995,7 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          f"{page_size}-position pages")
     pool = k_pages.shape[0] // (layers * kvh * page_size)
     programs = programs or backend_lib.NUM_SMS
-    kernel, phases = megakernel(cfg, layers, programs, stages=2, out_rows=1, products="s8", convert=True,
+    kernel, phases = megakernel(cfg, layers, programs, stages=2, out_rows=1, trial=trial, products="s8", convert=True,
                                 numerics=True, attention="real", page_size=page_size, pool=pool,
                                 eps=cfg.rms_norm_eps)
     ks = [next(ph.k for ph in phases if ph.out == out) for out in range(len(ORDER))]
