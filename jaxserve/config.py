@@ -271,6 +271,10 @@ class EngineConfig:
     # The KV pages' dtype. float8_e4m3fn halves their bytes (twice the pages in the same memory, half the reads
     # a decode step makes); values are clipped to its range (+-448) when written and upcast when read.
     kv_cache_dtype: str = "auto"
+    # Decode through one kernel for every layer (pallas_kernels.decode_megakernel; on a GPU its Mosaic GPU kernel,
+    # elsewhere its jnp reference): one slot, int8 weights with one scale a channel, one device. The layers' int8
+    # weights are then held twice (stacked for decode, per layer for prefill) and the KV pages stacked.
+    decode_megakernel: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
 
     def __post_init__(self) -> None:
@@ -295,6 +299,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.parallel.num_devices > 1:
             raise JaxserveError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on one device; the sharded attention "
                                 f"(tp/sp over {self.parallel.num_devices} devices) takes kv_cache_dtype='auto'")
+        if self.decode_megakernel and (self.max_slots != 1 or self.parallel.num_devices > 1):
+            raise JaxserveError(f"decode_megakernel decodes one row on one device: max_slots must be 1 (got "
+                                f"{self.max_slots}) and parallel one device (got {self.parallel.num_devices})")
         if not 0.0 <= self.kv_memory_fraction < 1.0:
             raise JaxserveError(f"kv_memory_fraction must be in [0, 1) (0: use num_pages), got {self.kv_memory_fraction}")
         if self.num_pages < self.max_pages_per_slot:

@@ -31,10 +31,11 @@ from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache, page_dtype
 from jaxserve.model.sampler import sample
-from jaxserve.model.transformer import forward
+from jaxserve.model.transformer import decode_stacked, forward
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.decode_megakernel import StackedLayers, stack_layers
 from pallas_kernels.paged_attention import reads_float8_pages
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,39 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
     packed, last_tokens = _commit(chosen, tokens, state.last_tokens, inp["slots"], none)
     return packed, logits, DeviceState(out.cache, last_tokens)
+
+
+def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, inp: dict[str, jax.Array], *,
+                    cfg: ModelConfig, attention: str, page_size: int) -> tuple[jax.Array, jax.Array, DeviceState]:
+    """step_fn with the decode megakernel (EngineConfig.decode_megakernel): params are the weights and their layers
+    stacked, and the cache is (k, v), every layer's pages stacked [layers · kv_heads · pages · page_size,
+    head_dim] (decode_megakernel.stack_pages). A decode step (one row) runs every layer in one kernel
+    (`decode_stacked`); a prefill step runs `forward` on each layer's pages, a view of the stacked pool, and stacks
+    what it wrote back. A padding decode row attends over the pool's padding page (the last) and writes there."""
+    weights, layers = params
+    k_pages, v_pages = state.cache
+    fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
+    first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
+    tokens_in = inp["tokens"].at[:, 0].set(first)
+    per_layer = (cfg.num_layers, cfg.num_kv_heads, -1, page_size, cfg.head_dim)
+    if tokens_in.shape[1] == 1:
+        padding = k_pages.reshape(per_layer).shape[2] - 1
+        valid = inp["valid"][:, 0]
+        table = jnp.where(valid[:, None], inp["page_table"], padding)
+        lengths = jnp.where(valid, inp["positions"][:, 0], 1)  # (the kernel attends over at least one position)
+        logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens_in, lengths, table, k_pages, v_pages,
+                                                  page_size, backend=attention)
+    else:
+        views = [tuple(pages.reshape(per_layer)) for pages in (k_pages, v_pages)]
+        out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"],
+                      KVCache(k=views[0], v=views[1], padding_page=True), logit_indices=inp["last"],
+                      attention=attention)
+        k_pages, v_pages = (jnp.stack(pages).reshape(k_pages.shape) for pages in (out.cache.k, out.cache.v))
+        logits = out.logits[:, 0]
+    tokens, chosen = _greedy(logits)
+    none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
+    packed, last_tokens = _commit(chosen, tokens, state.last_tokens, inp["slots"], none)
+    return packed, logits, DeviceState((k_pages, v_pages), last_tokens)
 
 
 def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -184,6 +218,9 @@ class StepRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.plan = None
         self.lockstep = None
+        self.params: Any = self.weights  # what the compiled steps take: with decode_megakernel the layers stacked too
+        if cfg.decode_megakernel:
+            self.params = (self.weights, self._stacked_layers(model, dtype))
         if cfg.parallel.num_devices > 1:
             from jaxserve.parallel.lockstep import Lockstep
             from jaxserve.parallel.mesh import MeshPlan
@@ -197,13 +234,18 @@ class StepRunner:
             self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
                                      jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
         else:
-            cache = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
+            cache: Any = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
+            if cfg.decode_megakernel:  # every layer's pages in one pool a side (stacked_step_fn)
+                mc = model.config
+                shape = (mc.num_layers * mc.num_kv_heads * (cfg.num_pages + 1) * cfg.page_size, mc.head_dim)
+                cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
             self.state = DeviceState(cache, jnp.zeros(cfg.max_slots, jnp.int32))
         full = cfg.max_pages_per_slot
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
                               | {(r, c, full) for r, c in cfg.prefill_buckets})
         attention = self.plan.attention if self.plan else cfg.attention
-        step = partial(step_fn, cfg=self.model_cfg, attention=attention)
+        step = (partial(stacked_step_fn, cfg=self.model_cfg, attention=attention, page_size=cfg.page_size)
+                if cfg.decode_megakernel else partial(step_fn, cfg=self.model_cfg, attention=attention))
         start = time.perf_counter()
         lowered = []
         for bucket in self.buckets:  # tracing holds the GIL: one at a time
@@ -211,7 +253,7 @@ class StepRunner:
             example: Any = pack_step_input(blank)
             if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
                 example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(blank).items()}
-            lowered.append(self._jit(step, bucket).lower(self.weights, self.state, example))
+            lowered.append(self._jit(step, bucket).lower(self.params, self.state, example))
         # XLA compiles outside the GIL, so the buckets compile side by side. On the H100 an 8B model's 7 buckets
         # compiled (and ran once) in 399 s this way; one at a time, 4 of its 5 buckets took over 540 s.
         with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
@@ -236,6 +278,22 @@ class StepRunner:
         jax.block_until_ready(self.state)
         log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
                  time.perf_counter() - compiled)
+
+    def _stacked_layers(self, model: LoadedModel, dtype: Any) -> StackedLayers:
+        """The model's layers stacked for the decode megakernel; raises JaxserveError naming what it cannot take."""
+        backend = backend_lib.resolve(self.cfg.attention)
+        if backend not in ("reference", "mosaic_gpu") or (backend == "mosaic_gpu" and jax.default_backend() != "gpu"):
+            raise JaxserveError(f"decode_megakernel runs its Mosaic GPU kernel on a GPU or its jnp reference "
+                                f"(attention='reference'); attention={self.cfg.attention!r} is {backend} on "
+                                f"{jax.default_backend()}")
+        if backend == "mosaic_gpu" and jnp.dtype(dtype) != jnp.bfloat16:
+            raise JaxserveError(f"decode_megakernel's kernel reads bfloat16 K/V pages; these are {jnp.dtype(dtype)} "
+                                f"(kv_cache_dtype={self.cfg.kv_cache_dtype!r}, weights' activations "
+                                f"{model.weights.final_norm.dtype})")
+        try:
+            return stack_layers(model.config, model.weights.layers)
+        except ValueError as e:
+            raise JaxserveError(f"decode_megakernel: {e}") from None
 
     def _pages_that_fit(self, dtype: Any) -> int:
         """KV pages that fit in cfg.kv_memory_fraction of the devices' memory (see `pages_in_memory`)."""
@@ -311,7 +369,7 @@ class StepRunner:
                 shardings = self.plan.input_shardings(inp.shape)
                 arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
         step_inputs = arrays if self.plan is not None else pack_step_input(inp)
-        packed, logits, self.state = compiled(self.weights, self.state, step_inputs)
+        packed, logits, self.state = compiled(self.params, self.state, step_inputs)
         if inp.temperature.any() or inp.want_top.any():
             packed = self._sample(inp.shape[0], logits, arrays)
         return packed

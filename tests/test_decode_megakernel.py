@@ -160,3 +160,29 @@ def test_model_decode_through_the_stacked_layers_is_forward():
     np.testing.assert_allclose(np.asarray(logits), np.asarray(out.logits[:, 0]), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(k_pages), np.asarray(stack_pages(out.cache.k)), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(v_pages), np.asarray(stack_pages(out.cache.v)), rtol=2e-4, atol=2e-4)
+
+
+def test_engine_decoding_through_the_megakernel_generates_what_it_generates_without(smollm):
+    """EngineConfig.decode_megakernel (on CPU its jnp reference, the pages stacked, prefill on per-layer views of
+    them): the same greedy tokens as the engine's own decode, over prompts that cross pages and a preemption-free
+    run of one slot; a config it cannot serve is refused by name."""
+    from jaxserve.checkpoint import LoadedModel
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.errors import JaxserveError
+    from jaxserve.step import build_engine
+
+    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
+    model = LoadedModel(cfg, quantize_weights(random_weights(cfg, jax.random.key(7)), QuantConfig(mode="int8")),
+                        smollm.tokenizer, "small-random-int8")
+    engine_cfg = EngineConfig(max_slots=1, page_size=8, num_pages=12, max_pages_per_slot=12, chunk_buckets=(16,))
+    prompts = [[int(t) for t in np.random.RandomState(s).randint(100, 40000, n)] for s, n in ((0, 5), (1, 21))]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True)] * len(prompts)
+    want = [r.output_ids for r in build_engine(model, engine_cfg).generate(prompts, params)]
+    mega = build_engine(model, EngineConfig(**{**engine_cfg.__dict__, "decode_megakernel": True}))
+    assert [r.output_ids for r in mega.generate(prompts, params)] == want
+    with pytest.raises(JaxserveError, match="max_slots must be 1 \\(got 2\\)"):
+        EngineConfig(**{**engine_cfg.__dict__, "max_slots": 2, "decode_megakernel": True})
+    with pytest.raises(JaxserveError, match="decode_megakernel: layer 0's wqkv must be int8"):
+        build_engine(LoadedModel(cfg, random_weights(cfg, jax.random.key(7)), smollm.tokenizer, "float"),
+                     EngineConfig(**{**engine_cfg.__dict__, "decode_megakernel": True}))
