@@ -40,8 +40,9 @@ from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import linear_bytes, quantize_weights, with_backend  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
-from jaxserve.step import DeviceState, step_fn  # noqa: E402
+from jaxserve.step import DeviceState, stacked_step_fn, step_fn  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
+from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: E402
 from pallas_kernels.decode_megakernel.mosaic_gpu import layer_products  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 from pallas_kernels.quantized_matmul import reference as qmm_ref  # noqa: E402
@@ -67,11 +68,15 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
     return vars(inp)
 
 
-def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, options: dict | None = None):
+def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, options: dict | None = None,
+                 page_size: int = PAGE_SIZE):
     """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated; the engine's jit
-    also unpacks one packed input array, see jaxserve.step.pack_step_input), with XLA's compiler `options` if given."""
-    return jax.jit(lambda w, s, i: step_fn(w, s, i, cfg=cfg), donate_argnums=(1,)).lower(weights, state, inp).compile(
-        compiler_options=options)
+    also unpacks one packed input array, see jaxserve.step.pack_step_input), with XLA's compiler `options` if given.
+    Weights given as (weights, stacked layers): the engine's decode_megakernel step (stacked_step_fn)."""
+    fn = (functools.partial(stacked_step_fn, cfg=cfg, attention="auto", page_size=page_size)
+          if isinstance(weights, tuple)
+          else functools.partial(step_fn, cfg=cfg))
+    return jax.jit(fn, donate_argnums=(1,)).lower(weights, state, inp).compile(compiler_options=options)
 
 
 def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None,
@@ -80,9 +85,11 @@ def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: di
     step_fn compiled like the engine's steps (the state donated; `options` as in compile_step), run once."""
     pages = -(-(context + 1) // page_size)
     cache = KVCache.zeros(cfg, batch * pages, page_size, kv_dtype, padding_page=True)  # as the engine's
+    if isinstance(weights, tuple):  # decode_megakernel: the pages stacked, as the engine holds them then
+        cache = (stack_pages(cache.k), stack_pages(cache.v))
     state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
     inp = decode_inputs(batch, context, pages, cfg.vocab_size)
-    step = compile_step(cfg, weights, state, inp, options)
+    step = compile_step(cfg, weights, state, inp, options, page_size)
     packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp
@@ -208,8 +215,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
-                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, and int8@TILING: the "
-                         "kernel with another tiling, fields joined by '+' (int8@block_k=128+stages=4)")
+                    help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_megakernel (batch "
+                         "1: the engine's decode_megakernel step), and int8@TILING: the kernel with another tiling, "
+                         "fields joined by '+' (int8@block_k=128+stages=4)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
     ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
                                                   "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
@@ -255,6 +263,8 @@ def main() -> None:
     rows.append(record(out, "int8_linear_bytes", base, "linear_layer_bytes", linear_bytes(int8), "bytes", "bfloat16",
                        linear_bytes(bf16), higher_is_better=False))
     named = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference")}
+    if "int8_megakernel" in args.variants.split(","):  # the engine's decode_megakernel (one row): layers stacked
+        named["int8_megakernel"] = (int8, stack_layers(cfg, int8.layers))
     variants = {name: named["int8" if name.startswith("int8@") else name] for name in args.variants.split(",")}
     for batch in batches:
         steps = {}  # every variant compiled first, then their timings alternate (a slow spell hits them all)
