@@ -299,6 +299,8 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.parallel.num_devices > 1:
             raise JaxserveError(f"kv_cache_dtype={self.kv_cache_dtype!r} runs on one device; the sharded attention "
                                 f"(tp/sp over {self.parallel.num_devices} devices) takes kv_cache_dtype='auto'")
+        if not isinstance(self.decode_megakernel, bool):
+            raise JaxserveError(f"decode_megakernel must be true or false, got {self.decode_megakernel!r}")
         if self.decode_megakernel and (self.max_slots != 1 or self.parallel.num_devices > 1):
             raise JaxserveError(f"decode_megakernel decodes one row on one device: max_slots must be 1 (got "
                                 f"{self.max_slots}) and parallel one device (got {self.parallel.num_devices})")

@@ -181,6 +181,8 @@ def test_engine_decoding_through_the_megakernel_generates_what_it_generates_with
     want = [r.output_ids for r in build_engine(model, engine_cfg).generate(prompts, params)]
     mega = build_engine(model, EngineConfig(**{**engine_cfg.__dict__, "decode_megakernel": True}))
     assert [r.output_ids for r in mega.generate(prompts, params)] == want
+    with pytest.raises(JaxserveError, match="decode_megakernel must be true or false, got 'yes'"):
+        EngineConfig(**{**engine_cfg.__dict__, "decode_megakernel": "yes"})
     with pytest.raises(JaxserveError, match="max_slots must be 1 \\(got 2\\)"):
         EngineConfig(**{**engine_cfg.__dict__, "max_slots": 2, "decode_megakernel": True})
     with pytest.raises(JaxserveError, match="decode_megakernel: layer 0's wqkv must be int8"):
