@@ -63,7 +63,7 @@ def compilation_count() -> int:
 class DeviceState(NamedTuple):
     """What the device keeps between steps; donated to every step."""
 
-    cache: KVCache
+    cache: Any  # KVCache; with EngineConfig.decode_megakernel (k, v), every layer's pages stacked (stacked_step_fn)
     last_tokens: jax.Array  # [max_slots] int32: each slot's latest sample, the next decode row's input
 
 
@@ -244,7 +244,7 @@ class StepRunner:
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
                               | {(r, c, full) for r, c in cfg.prefill_buckets})
         attention = self.plan.attention if self.plan else cfg.attention
-        step = (partial(stacked_step_fn, cfg=self.model_cfg, attention=attention, page_size=cfg.page_size)
+        step = (partial(stacked_step_fn, cfg=self.model_cfg, attention=cfg.attention, page_size=cfg.page_size)
                 if cfg.decode_megakernel else partial(step_fn, cfg=self.model_cfg, attention=attention))
         start = time.perf_counter()
         lowered = []

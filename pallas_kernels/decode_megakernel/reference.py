@@ -53,7 +53,8 @@ def stack_layers(cfg: Any, layers: Sequence[Any]) -> StackedLayers:
     if cfg.intermediate_size % BLOCK:
         raise ValueError(f"the megakernel takes gate_up in blocks of {BLOCK} channels: intermediate_size="
                          f"{cfg.intermediate_size} is not a multiple of {BLOCK}")
-    values, scales = {name: [] for name in PRODUCTS}, {name: [] for name in PRODUCTS}
+    values: dict[str, list[Any]] = {name: [] for name in PRODUCTS}
+    scales: dict[str, list[Any]] = {name: [] for name in PRODUCTS}
     gains = []
     for i, layer in enumerate(layers):
         if layer.bqkv is not None:
