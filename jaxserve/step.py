@@ -218,9 +218,6 @@ class StepRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         self.plan = None
         self.lockstep = None
-        self.params: Any = self.weights  # what the compiled steps take: with decode_megakernel the layers stacked too
-        if cfg.decode_megakernel:
-            self.params = (self.weights, self._stacked_layers(model, dtype))
         if cfg.parallel.num_devices > 1:
             from jaxserve.parallel.lockstep import Lockstep
             from jaxserve.parallel.mesh import MeshPlan
@@ -228,6 +225,9 @@ class StepRunner:
             self.plan = MeshPlan.build(model.config, model.weights, cfg)
             self.model_cfg, self.weights = self.plan.model_cfg, self.plan.weights
             self.lockstep = Lockstep(cfg.max_slots) if jax.process_count() > 1 else None
+        self.params: Any = self.weights  # what the compiled steps take: with decode_megakernel the layers stacked too
+        if cfg.decode_megakernel:
+            self.params = (self.weights, self._stacked_layers(model, dtype))
         if cfg.kv_memory_fraction:  # after the weights are in place: what remains is the pages'
             self.cfg = cfg = dataclasses.replace(cfg, num_pages=self._pages_that_fit(dtype))
         if self.plan is not None:
