@@ -38,10 +38,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, device_seconds, layer_products  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, device_seconds  # noqa: E402
 from benchmarks.kernels_gpu import copy_bandwidth_device  # noqa: E402
 from pallas_kernels import backend as backend_lib  # noqa: E402
-from pallas_kernels.decode_megakernel.mosaic_gpu import BLOCK_K, BLOCK_N, COLS, s8_sums  # noqa: E402
+from pallas_kernels.decode_megakernel.mosaic_gpu import BLOCK_K, BLOCK_N, COLS, layer_products, s8_sums  # noqa: E402
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 from pallas_kernels.quantized_mlp.mosaic_gpu import depart  # noqa: E402
 
