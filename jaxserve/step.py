@@ -95,16 +95,25 @@ def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
     blocks the host until the stream reaches it (ConditionalThunk), so a `lax.cond` would stall every step's
     launches behind its own forward pass. The host knows which steps sample or want top log-probabilities
     (it built their inputs) and runs `sample_fn` on the logits after those."""
+    out = forward(weights, cfg, _tokens_in(state, inp), inp["positions"], inp["valid"], inp["page_table"],
+                  state.cache, logit_indices=inp["last"], attention=attention)
+    return _greedy_step(out.logits[:, 0], out.cache, state, inp)
+
+
+def _tokens_in(state: DeviceState, inp: dict[str, jax.Array]) -> jax.Array:
+    """The step's tokens, a fed row's first taken from its slot's last sample (jaxserve.engine's one-step-ahead)."""
     fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
-    first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
-    tokens_in = inp["tokens"].at[:, 0].set(first)
-    out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"], state.cache,
-                  logit_indices=inp["last"], attention=attention)
-    logits = out.logits[:, 0]
+    return inp["tokens"].at[:, 0].set(jnp.where(inp["feed"], fed, inp["tokens"][:, 0]))
+
+
+def _greedy_step(logits: jax.Array, cache: Any, state: DeviceState,
+                 inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, DeviceState]:
+    """A step's end from its logits [rows, vocab]: each row's greedy token, packed with no top log-probabilities,
+    and the state with `cache` and the rows' tokens as their slots' last."""
     tokens, chosen = _greedy(logits)
     none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
     packed, last_tokens = _commit(chosen, tokens, state.last_tokens, inp["slots"], none)
-    return packed, logits, DeviceState(out.cache, last_tokens)
+    return packed, logits, DeviceState(cache, last_tokens)
 
 
 def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, inp: dict[str, jax.Array], *,
@@ -116,9 +125,7 @@ def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, i
     what it wrote back. A padding decode row attends over the pool's padding page (the last) and writes there."""
     weights, layers = params
     k_pages, v_pages = state.cache
-    fed = state.last_tokens[jnp.minimum(inp["slots"], state.last_tokens.shape[0] - 1)]
-    first = jnp.where(inp["feed"], fed, inp["tokens"][:, 0])
-    tokens_in = inp["tokens"].at[:, 0].set(first)
+    tokens_in = _tokens_in(state, inp)
     per_layer = (cfg.num_layers, cfg.num_kv_heads, -1, page_size, cfg.head_dim)
     if tokens_in.shape[1] == 1:
         padding = k_pages.reshape(per_layer).shape[2] - 1
@@ -134,10 +141,7 @@ def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, i
                       attention=attention)
         k_pages, v_pages = (jnp.stack(pages).reshape(k_pages.shape) for pages in (out.cache.k, out.cache.v))
         logits = out.logits[:, 0]
-    tokens, chosen = _greedy(logits)
-    none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
-    packed, last_tokens = _commit(chosen, tokens, state.last_tokens, inp["slots"], none)
-    return packed, logits, DeviceState((k_pages, v_pages), last_tokens)
+    return _greedy_step(logits, (k_pages, v_pages), state, inp)
 
 
 def _greedy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -234,11 +238,13 @@ class StepRunner:
             self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
                                      jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
         else:
-            cache: Any = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
-            if cfg.decode_megakernel:  # every layer's pages in one pool a side (stacked_step_fn)
+            cache: Any
+            if cfg.decode_megakernel:  # every layer's pages (and the padding page) in one pool a side: stack_pages'
                 mc = model.config
                 shape = (mc.num_layers * mc.num_kv_heads * (cfg.num_pages + 1) * cfg.page_size, mc.head_dim)
                 cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            else:
+                cache = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
             self.state = DeviceState(cache, jnp.zeros(cfg.max_slots, jnp.int32))
         full = cfg.max_pages_per_slot
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}

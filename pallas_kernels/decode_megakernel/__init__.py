@@ -20,13 +20,13 @@ def decode_layers(cfg: Any, st: StackedLayers, x: jax.Array, k_pages: jax.Array,
                   backend: str = "auto", **options: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Every decoder layer of a decode step (see reference.decode_layers) -> (h, k_pages, v_pages). `backend`:
     "reference" (jnp), "mosaic_gpu" (the kernel: one row, Llama-8B-like shapes), "auto" the kernel on a GPU.
-    `options` go to the kernel's (mosaic_gpu.decode_layers: its benchmarks' trials)."""
+    `options` go to the implementation's (mosaic_gpu.decode_layers takes its benchmarks' trials; the reference
+    none)."""
     name = backend_lib.resolve(backend)
     if name not in ("reference", "mosaic_gpu"):
         raise ValueError(f"the decode megakernel has no {name} implementation (backend={backend!r})")
     module = backend_lib.implementation(__name__, name)
-    return module.decode_layers(cfg, st, x, k_pages, v_pages, page_table, lengths, inv_freq, page_size,
-                                **(options if name == "mosaic_gpu" else {}))
+    return module.decode_layers(cfg, st, x, k_pages, v_pages, page_table, lengths, inv_freq, page_size, **options)
 
 
 __all__ = ["StackedLayers", "decode_layers", "stack_layers", "stack_pages"]
