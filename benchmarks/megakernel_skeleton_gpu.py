@@ -75,7 +75,6 @@ from pallas_kernels.decode_megakernel.mosaic_gpu import (  # noqa: E402
     qkv_tiles,
     writes_new_token,
 )
-from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu  # noqa: E402
 
 CHECKED_LAYERS = 4  # the layers --check compares (each a few seconds of float64 numpy)
 SESSION = 32  # recorded with the results
@@ -85,8 +84,7 @@ class Inputs(NamedTuple):
     """The kernel's inputs, in its order once flattened (`flat`)."""
     weights: list  # int8 [layers · n, k] for each of PRODUCTS
     kv: list  # the stand-in attention's K/V bytes; real: the K and V pages [layers · kv heads · pool · page, hd]
-    bs: list  # each phase's stand-in B
-    zeros: jax.Array  # [COLS, 64] float32, what the outputs are zeroed from
+    bs: list  # each phase's stand-in B (none with `convert`: the activations are the sums)
     gains: jax.Array  # [layers, len(NORMED), d] float32 (numerics)
     scales: list  # float32 [layers · n] for each of PRODUCTS (numerics)
     cos_sin: jax.Array  # each row's RoPE cos | sin [COLS, head_dim] (real attention)
@@ -99,13 +97,13 @@ class Inputs(NamedTuple):
         if per_layer:
             layers = len(self.gains)
             return [*(part for a in [*self.weights, *self.kv] for part in jnp.split(a, layers)), *self.bs,
-                    self.zeros, self.gains, *self.scales, self.cos_sin, self.x0, self.table, self.length]
-        return [*self.weights, *self.kv, *self.bs, self.zeros, self.gains, *self.scales, self.cos_sin, self.x0,
+                    self.gains, *self.scales, self.cos_sin, self.x0, self.table, self.length]
+        return [*self.weights, *self.kv, *self.bs, self.gains, *self.scales, self.cos_sin, self.x0,
                 self.table, self.length]
 
 
 def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str = "stand-in", length: int = CONTEXT,
-           page_size: int = 16, pool: int = 64) -> Inputs:
+           page_size: int = 16, pool: int = 64, convert: bool = False) -> Inputs:
     shapes = layer_products(cfg)
     weights = [jax.random.randint(key, (layers * shapes[name][0], shapes[name][1]), -127, 128,
                                   jnp.int32).astype(jnp.int8) for name in PRODUCTS]
@@ -121,7 +119,9 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str =
         kv = [jax.random.randint(key, (layers * cfg.num_kv_heads * kv_steps * BLOCK_N, BLOCK_K), -127, 128,
                                  jnp.int32).astype(jnp.int8)]
     ks = [next(ph.k for ph in phases if ph.out == out) for out in range(phases[-1].out + 1)]  # each phase's inputs
-    if products == "float16":
+    if convert:
+        bs = []
+    elif products == "float16":
         bs = [jax.random.normal(key, (COLS, k), jnp.float32).astype(jnp.float16) for k in ks]
     else:
         bs = [jax.random.randint(key, (COLS, k), -127, 128, jnp.int32).astype(jnp.int8) for k in ks]
@@ -131,7 +131,7 @@ def inputs(cfg, layers: int, phases, key, products: str = "s8", attention: str =
     angles = position * 10000.0 ** (-jnp.arange(cfg.head_dim // 2) / (cfg.head_dim // 2))  # RoPE at the position
     cos_sin = jnp.tile(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)])[None], (COLS, 1)).astype(jnp.float32)
     x0 = jax.random.normal(key, (COLS, cfg.hidden_size), jnp.float32)
-    return Inputs(weights, kv, bs, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), gains, scales, cos_sin, x0, table,
+    return Inputs(weights, kv, bs, gains, scales, cos_sin, x0, table,
                   jnp.asarray([length], jnp.int32))
 
 
@@ -174,7 +174,8 @@ def main() -> None:
                                 args.convert, args.prefetch, args.split, args.split_inputs, args.numerics,
                                 args.attention, args.page_size, pool)
     key = jax.random.PRNGKey(0)
-    given = inputs(cfg, args.layers, phases, key, args.products, args.attention, args.length, args.page_size, pool)
+    given = inputs(cfg, args.layers, phases, key, args.products, args.attention, args.length, args.page_size, pool,
+                   args.convert)
     per_layer_refs = "per-layer" in args.trial.split(",")
     args_in, weights = given.flat(per_layer_refs), given.weights
     products = layer_products(cfg)

@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
-    ap.add_argument("--trial", default="", help="also time the megakernel with this trial (e.g. no-auto-barriers)")
+    ap.add_argument("--trial", action="append", default=[],
+                    help="also check and time the megakernel with this trial (e.g. warp-producer); repeatable")
     ap.add_argument("--hlo", action="store_true", help="print the megakernel step's compiled operations")
     ap.add_argument("--out", default="benchmarks/results/megakernel_step_gpu.jsonl")
     args = ap.parse_args()
@@ -89,31 +90,39 @@ def main() -> None:
     _, served_logits, state = int8[0](int8_weights, state, inp)
     int8 = (int8[0], state, inp)
     fns = {page_size: megakernel_step(cfg, page_size)}
-    t0 = time.perf_counter()
-    token, _, logits, *pages = fns[page_size](int8_weights, layers, tokens, lengths, table, *pages)
-    print(f"megakernel step compiled and run in {time.perf_counter() - t0:.0f} s", flush=True)
-    want, got = np.asarray(served_logits[0], np.float64), np.asarray(logits[0], np.float64)
-    error = float(np.abs(got - want).max() / np.abs(want).max())
-    agree = int(token[0]) == int(np.argmax(want))
-    print(f"megakernel logits against the served int8 step's: largest error {error:.2e} of the largest; greedy "
-          f"token {'the same' if agree else 'differs'}", flush=True)
-    if not error < 5e-2:
-        raise SystemExit("the megakernel's logits are not the served step's")
+
+    def check(fn, pages, name):  # the megakernel's logits on the served step's cache against the served step's
+        t0 = time.perf_counter()
+        token, _, logits, *pages = fn(int8_weights, layers, tokens, lengths, table, *pages)
+        print(f"{name} compiled and run in {time.perf_counter() - t0:.0f} s", flush=True)
+        want, got = np.asarray(served_logits[0], np.float64), np.asarray(logits[0], np.float64)
+        error = float(np.abs(got - want).max() / np.abs(want).max())
+        agree = int(token[0]) == int(np.argmax(want))
+        print(f"{name}: logits against the served int8 step's: largest error {error:.2e} of the largest; greedy "
+              f"token {'the same' if agree else 'differs'}", flush=True)
+        if not error < 5e-2:
+            raise SystemExit(f"{name}: the megakernel's logits are not the served step's")
+        return error, agree, pages
+
+    error, agree, pages = check(fns[page_size], pages, "megakernel step")
 
     # 128-position pages: a fresh stacked pool of the same context
     big = 128
     pool = -(-(CONTEXT + 1) // big)
     rows = cfg.num_layers * cfg.num_kv_heads * pool * big
     big_table = jnp.arange(pool, dtype=jnp.int32)[None]
-    trials = [""] + ([args.trial] if args.trial else [])
+    trials = ["", *args.trial]
     mk = {(page_size, ""): (table, tuple(pages))}  # (page size, trial) -> (table, pages)
     for trial in trials:
         for size in (page_size, big):
             if (size, trial) not in mk:
                 fns[size, trial] = megakernel_step(cfg, size, trial)
-                mk[size, trial] = ((table, tuple(stack_pages(c) for c in (state.cache.k, state.cache.v)))
-                                   if size == page_size else
-                                   (big_table, tuple(jnp.zeros((rows, cfg.head_dim), jnp.bfloat16) for _ in range(2))))
+                if size == page_size:  # a trial's outputs checked as the kernel's were
+                    served_pages = [stack_pages(c) for c in (state.cache.k, state.cache.v)]
+                    mk[size, trial] = (table, tuple(check(fns[size, trial], served_pages, f"trial {trial}")[2]))
+                else:
+                    mk[size, trial] = (big_table, tuple(jnp.zeros((rows, cfg.head_dim), jnp.bfloat16)
+                                                        for _ in range(2)))
             if args.hlo and size == big:
                 fn = fns.get((size, trial), fns.get(size))
                 print_ops(fn.lower(int8_weights, layers, tokens, lengths, *mk[size, trial][0:1], *mk[size, trial][1]))

@@ -150,7 +150,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                numerics: bool = False, attention: str = "stand-in", page_size: int = 16, pool: int = 64,
                eps: float = 1e-5):
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
-    stand-in B [8, k] int8 for each phase; zeros [8, 64] float32) -> each phase's float32 output [layers, 8, n]
+    without `convert`, stand-in B [8, k] int8 for each phase) -> each phase's float32 output [layers, 8, n]
     (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
     for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for its reduce-add to
     land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead); "stale-deps" polls the
@@ -316,12 +316,12 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             kv_refs = [take(layers) for _ in range(2 if real_attention else 1)]
         else:
             w_refs, kv_refs = take(4), take(2 if real_attention else 1)
-        b_refs = take(last + 1)
-        z_ref, g_ref = take(2)
+        b_refs = [] if convert else take(last + 1)  # the stand-in products' B (with `convert`: the sums, none)
+        (g_ref,) = take(1)
         s_refs = dict(zip(PRODUCTS, take(4)))
         cs_ref, x0_ref, table_ref, len_ref = take(4)
         o_refs, (sqg_ref,) = take(last + 1), take(1)
-        (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, z_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
+        (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
          sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar, att_bar, rs_smem, knew_smem,
          vnew_smem, fold_smem, kv_bar, fold_bar) = list(at)
         kv_ref = kv_refs[0]  # the stand-in's K/V bytes, or (real) the K pages; kv_refs[1] the V pages
@@ -731,8 +731,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
             @pl.when(wg == 0)
             def _zero():  # this program's share of every reduce-added output, then counted
-                plgpu.copy_gmem_to_smem(z_ref, z_smem, z_bar)
-                plgpu.barrier_wait(z_bar)
+                z_smem[...] = plgpu.layout_cast(jnp.zeros(z_smem.shape, jnp.float32),  # (made here: an input of
+                                                plgpu.Layout.WG_STRIDED(z_smem.shape, vec_size=4))  # zeros was a
+                plgpu.commit_smem()  # launch a step to fill), visible to the copies below
                 for out, (name, n) in enumerate(zip(names, widths)):
                     if name == "attn":
                         continue
@@ -948,7 +949,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((COLS, qmm_gpu.ROWS), jnp.float32),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's weight tile and its activations
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
-            plgpu.Barrier(num_arrivals=1),
             plgpu.SMEM((stages if convert else 1, COLS, 2 * BLOCK_K if convert else 8), jnp.float32),  # staging
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's sums staged (two copies)
             plgpu.SMEM((stages if parts else 1, BLOCK_K // PART_INPUTS, unit_columns(COLS)), jnp.float32),  # units
@@ -1010,13 +1010,11 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernel, phases = megakernel(cfg, layers, programs, stages=2, out_rows=1, trial=trial, products="s8", convert=True,
                                 numerics=True, attention="real", page_size=page_size, pool=pool,
                                 eps=cfg.rms_norm_eps)
-    ks = [next(ph.k for ph in phases if ph.out == out) for out in range(len(ORDER))]
-    stand_ins = [jnp.zeros((COLS, k), jnp.int8) for k in ks]  # (B of the stand-in products: not read here)
     angles = lengths[0].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # RoPE at the new position
     cos_sin = jnp.broadcast_to(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)]), (COLS, hd))
     x0 = jnp.pad(x.astype(jnp.float32), ((0, COLS - 1), (0, 0)))
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)  # written in place: the new token's K and V
-    outs = kernel(*st.values, k_ref, v_ref, *stand_ins, jnp.zeros((COLS, qmm_gpu.ROWS), jnp.float32), st.gains,
+    outs = kernel(*st.values, k_ref, v_ref, st.gains,
                   *st.scales, cos_sin, x0, page_table[0].astype(jnp.int32), lengths.astype(jnp.int32))
     h = outs[len(ORDER) - 1][layers - 1, :1]  # the last layer's down sums with the residual: h2
     return h, jax.freeze(k_ref), jax.freeze(v_ref)
