@@ -37,7 +37,7 @@ CONTEXT = 256  # positions of K and V an attention head streams (the decode benc
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
-          "no-auto-barriers", "per-layer", "warp-producer")  # see megakernel
+          "no-auto-barriers", "per-layer", "warp-producer", "lane")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -79,6 +79,11 @@ def _kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, thr
         pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes=thread_name)
 
     return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params, name="megakernel")
+
+
+def lowering_of(trials) -> dict:
+    """CompilerParams' lowering_semantics the trials ask for (none: the installed jax's default)."""
+    return {"lowering_semantics": plgpu.LoweringSemantics.Lane} if trials & {"lane", "warp-producer"} else {}
 
 
 def writes_new_token(numerics: bool, attention: str, trials) -> bool:
@@ -168,7 +173,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     each copy choosing its layer's array by a tree of branches on the layer, instead of one array of every layer.
     "warp-producer" (right outputs): the producer warpgroup's work (every TMA copy of weights, pages and
     activations) by one of its warps, in warp semantics: no warpgroup sync before each copy (what no-auto-barriers
-    showed to cost), 32 threads arriving on each copy's barrier instead of 128.
+    showed to cost), 32 threads arriving on each copy's barrier instead of 128; Pallas lowers warp semantics only
+    with its lane lowering, so this implies "lane". "lane": the kernel through Pallas's lane lowering (jax 0.10's
+    default) instead of jax 0.11's default, its warpgroup lowering (what every H100 figure before session 33 ran;
+    jax 0.10's warpgroup lowering cannot infer this kernel's layouts).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -975,7 +983,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
         # no-auto-barriers: Pallas's warpgroup sync before each TMA copy (and around shared-memory accesses) left
         # out; session 31's lead on the cost of 16-position pages (8 copies, 8 syncs a block)
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="no-auto-barriers" in trials),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="no-auto-barriers" in trials,
+                                             **lowering_of(trials)),
     )
     return kernel, phases
 
