@@ -37,7 +37,7 @@ CONTEXT = 256  # positions of K and V an attention head streams (the decode benc
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
-          "no-auto-barriers", "per-layer", "warp-producer", "lane")  # see megakernel
+          "no-auto-barriers", "per-layer")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -79,11 +79,6 @@ def _kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, thr
         pl.run_scoped(functools.partial(body, *refs), *scratch_types, collective_axes=thread_name)
 
     return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params, name="megakernel")
-
-
-def lowering_of(trials) -> dict:
-    """CompilerParams' lowering_semantics the trials ask for (none: the installed jax's default)."""
-    return {"lowering_semantics": plgpu.LoweringSemantics.Lane} if trials & {"lane", "warp-producer"} else {}
 
 
 def writes_new_token(numerics: bool, attention: str, trials) -> bool:
@@ -171,12 +166,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     "no-write" attended, not written. "per-layer" (right outputs): each layer's weights and (real attention) K and V
     pages are arrays of their own, as the engine holds them (a weight [n, k], a pool [kv heads · pool · page, hd]),
     each copy choosing its layer's array by a tree of branches on the layer, instead of one array of every layer.
-    "warp-producer" (right outputs): the producer warpgroup's work (every TMA copy of weights, pages and
-    activations) by one of its warps, in warp semantics: no warpgroup sync before each copy (what no-auto-barriers
-    showed to cost), 32 threads arriving on each copy's barrier instead of 128; Pallas lowers warp semantics only
-    with its lane lowering, so this implies "lane". "lane": the kernel through Pallas's lane lowering (jax 0.10's
-    default) instead of jax 0.11's default, its warpgroup lowering (what every H100 figure before session 33 ran;
-    jax 0.10's warpgroup lowering cannot infer this kernel's layouts).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -219,7 +208,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError(f"unknown trials {sorted(unknown)}; known: {', '.join(TRIALS)}")
     x_warpgroup = "x-warpgroup" in trials
     per_layer_refs = "per-layer" in trials
-    warp_producer = "warp-producer" in trials
     x_load = "x-load" in trials
     if x_load and not convert:
         raise ValueError("x-load is for --convert (the converter loads the sums)")
@@ -628,104 +616,96 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
-            def produce():  # (warp-producer: by one warp of the warpgroup, with no warpgroup syncs)
-                def with_weight(layer, j, u, fn):  # fn(phase j's unit u's weights (attention: its K or V) in global
-                    # memory)
-                    ph = phases[j]
+            def with_weight(layer, j, u, fn):  # fn(phase j's unit u's weights (attention: its K or V) in global
+                # memory)
+                ph = phases[j]
 
-                    def src(array, first):
-                        if ph.stream_k:
-                            return fn(array.at[pl.ds((layer - first) * ph.n + (ph.tile0 + lax.div(u, ph.steps)) * BLOCK_N,
-                                                     BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)])
-                        kv_head = lax.div(p, group)
-                        return fn(array.at[pl.ds((((layer - first) * cfg.num_kv_heads + kv_head) * ph.steps
-                                                  + lax.rem(u, ph.steps)) * BLOCK_N, BLOCK_N)])
-                    with_layer(layer, weight_of[ph.name] if ph.stream_k else kv_ref, src)
+                def src(array, first):
+                    if ph.stream_k:
+                        return fn(array.at[pl.ds((layer - first) * ph.n + (ph.tile0 + lax.div(u, ph.steps)) * BLOCK_N,
+                                                 BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)])
+                    kv_head = lax.div(p, group)
+                    return fn(array.at[pl.ds((((layer - first) * cfg.num_kv_heads + kv_head) * ph.steps
+                                              + lax.rem(u, ph.steps)) * BLOCK_N, BLOCK_N)])
+                with_layer(layer, weight_of[ph.name] if ph.stream_k else kv_ref, src)
 
-                def prefetch_step(g):  # the weights of this program's ring step g (if in this call) into L2
-                    layer, r = lax.div(g, per_layer), lax.rem(g, per_layer)
-                    for jj in range(count):
-                        if real_attention and phases[jj].name == "attn":  # (the pages: not prefetched)
-                            continue
-                        lo, hi = bases[jj], bases[jj] + runs[jj][1] - runs[jj][0]
+            def prefetch_step(g):  # the weights of this program's ring step g (if in this call) into L2
+                layer, r = lax.div(g, per_layer), lax.rem(g, per_layer)
+                for jj in range(count):
+                    if real_attention and phases[jj].name == "attn":  # (the pages: not prefetched)
+                        continue
+                    lo, hi = bases[jj], bases[jj] + runs[jj][1] - runs[jj][0]
 
-                        @pl.when((layer < layers) & (r >= lo) & (r < hi))
-                        def _(jj=jj, lo=lo):
-                            with_weight(layer, jj, runs[jj][0] + r - lo, plgpu.async_prefetch)
+                    @pl.when((layer < layers) & (r >= lo) & (r < hi))
+                    def _(jj=jj, lo=lo):
+                        with_weight(layer, jj, runs[jj][0] + r - lo, plgpu.async_prefetch)
 
-                def copy_weight(layer, j, u):
-                    g, slot = position(layer, j, u)
-                    attention_unit = real_attention and phases[j].name == "attn"
-                    if attention_unit:  # the pages' table entries read before the slot's wait, not after it (session
-                        # 30: after, each block's 8 reads of global memory were on attention's path)
-                        blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
-                        base = lax.div(p, group) * pool  # (the layer's own array: per-layer)
-                        if not per_layer_refs:
-                            base = base + layer * cfg.num_kv_heads * pool
-                        per_block = BLOCK_N // page_size
-                        firsts = [(base + jnp.clip(table_ref[jnp.minimum(blk * per_block + i, table_ref.shape[0] - 1)],
-                                                   0, pool - 1)) * page_size for i in range(per_block)]  # (past the
-                        # length: any page)
+            def copy_weight(layer, j, u):
+                g, slot = position(layer, j, u)
+                attention_unit = real_attention and phases[j].name == "attn"
+                if attention_unit:  # the pages' table entries read before the slot's wait, not after it (session
+                    # 30: after, each block's 8 reads of global memory were on attention's path)
+                    blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
+                    base = lax.div(p, group) * pool  # (the layer's own array: per-layer)
+                    if not per_layer_refs:
+                        base = base + layer * cfg.num_kv_heads * pool
+                    per_block = BLOCK_N // page_size
+                    firsts = [(base + jnp.clip(table_ref[jnp.minimum(blk * per_block + i, table_ref.shape[0] - 1)],
+                                               0, pool - 1)) * page_size for i in range(per_block)]  # (past the
+                    # length: any page)
 
-                    @pl.when(g >= stages)
-                    def _():
-                        plgpu.barrier_wait(free_bar.at[slot])
-
-                    if attention_unit:  # K, V, K, V, ... blocks, a page at a time, into the slot's bfloat16 views, on
-                        # kv_bar; tile_bar's arrivals are this one and the converter's
-
-                        def copy_pages(pages, view):
-                            for i, first in enumerate(firsts):
-                                plgpu.copy_gmem_to_smem(pages.at[pl.ds(first, page_size)],
-                                                        view.at[slot, pl.ds(i * page_size, page_size)], kv_bar.at[slot])
-
-                        pl.when(is_k)(lambda: with_layer(layer, kv_refs[0], lambda a, _: copy_pages(a, k_view)))
-                        pl.when(~is_k)(lambda: with_layer(layer, kv_refs[1], lambda a, _: copy_pages(a, v_view)))
-                        plgpu.barrier_arrive(tile_bar.at[slot])
-                    else:
-                        with_weight(layer, j, u, lambda src: plgpu.copy_gmem_to_smem(src, w_smem.at[slot],
-                                                                                     tile_bar.at[slot]))
-                    if prefetch:
-                        prefetch_step(g + prefetch)
-
-                def ahead_of(j):  # the units of phase j whose weights went out before its first activations
-                    begin, end = runs[j]
-                    return jnp.minimum(begin + stages, end)
-
-                def issue_ahead(layer, j):
-                    lax.fori_loop(runs[j][0], ahead_of(j), lambda u, c: (copy_weight(layer, j, u), c)[1], None)
-
-                issue_ahead(0, 0)
-
-                def layer_body(layer, carry):
-                    for j in range(count):
-                        begin, end = runs[j]
-                        if not x_warpgroup:
-                            lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: (copy_x(layer, j, u), c)[1], None)
-
-                        def step(u, c, j=j):
-                            copy_weight(layer, j, u)
-                            if not x_warpgroup:
-                                copy_x(layer, j, u)
-                            return c
-
-                        lax.fori_loop(ahead_of(j), end, step, None)
-                        if j + 1 < count:
-                            issue_ahead(layer, j + 1)
-                        else:
-                            pl.when(layer + 1 < layers)(lambda: issue_ahead(layer + 1, 0))
-                    return carry
-
-                lax.fori_loop(0, layers, layer_body, None)
-                total = layers * per_layer
-                qmm_gpu.drain(free_bar, stages, jnp.maximum(total - stages, 0), total)
-
-            if warp_producer:
-                @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+                @pl.when(g >= stages)
                 def _():
-                    pl.when(lax.axis_index("warp") == 0)(produce)
-            else:
-                produce()
+                    plgpu.barrier_wait(free_bar.at[slot])
+
+                if attention_unit:  # K, V, K, V, ... blocks, a page at a time, into the slot's bfloat16 views, on
+                    # kv_bar; tile_bar's arrivals are this one and the converter's
+
+                    def copy_pages(pages, view):
+                        for i, first in enumerate(firsts):
+                            plgpu.copy_gmem_to_smem(pages.at[pl.ds(first, page_size)],
+                                                    view.at[slot, pl.ds(i * page_size, page_size)], kv_bar.at[slot])
+
+                    pl.when(is_k)(lambda: with_layer(layer, kv_refs[0], lambda a, _: copy_pages(a, k_view)))
+                    pl.when(~is_k)(lambda: with_layer(layer, kv_refs[1], lambda a, _: copy_pages(a, v_view)))
+                    plgpu.barrier_arrive(tile_bar.at[slot])
+                else:
+                    with_weight(layer, j, u, lambda src: plgpu.copy_gmem_to_smem(src, w_smem.at[slot],
+                                                                                 tile_bar.at[slot]))
+                if prefetch:
+                    prefetch_step(g + prefetch)
+
+            def ahead_of(j):  # the units of phase j whose weights went out before its first activations
+                begin, end = runs[j]
+                return jnp.minimum(begin + stages, end)
+
+            def issue_ahead(layer, j):
+                lax.fori_loop(runs[j][0], ahead_of(j), lambda u, c: (copy_weight(layer, j, u), c)[1], None)
+
+            issue_ahead(0, 0)
+
+            def layer_body(layer, carry):
+                for j in range(count):
+                    begin, end = runs[j]
+                    if not x_warpgroup:
+                        lax.fori_loop(begin, ahead_of(j), lambda u, c, j=j: (copy_x(layer, j, u), c)[1], None)
+
+                    def step(u, c, j=j):
+                        copy_weight(layer, j, u)
+                        if not x_warpgroup:
+                            copy_x(layer, j, u)
+                        return c
+
+                    lax.fori_loop(ahead_of(j), end, step, None)
+                    if j + 1 < count:
+                        issue_ahead(layer, j + 1)
+                    else:
+                        pl.when(layer + 1 < layers)(lambda: issue_ahead(layer + 1, 0))
+                return carry
+
+            lax.fori_loop(0, layers, layer_body, None)
+            total = layers * per_layer
+            qmm_gpu.drain(free_bar, stages, jnp.maximum(total - stages, 0), total)
 
         @pl.when((wg == x_wg) & x_warpgroup)
         def _activations():  # x-warpgroup: the activations' waits and copies, apart from the weights'
@@ -983,8 +963,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
         # no-auto-barriers: Pallas's warpgroup sync before each TMA copy (and around shared-memory accesses) left
         # out; session 31's lead on the cost of 16-position pages (8 copies, 8 syncs a block)
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="no-auto-barriers" in trials,
-                                             **lowering_of(trials)),
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="no-auto-barriers" in trials),
     )
     return kernel, phases
 
