@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,6 @@ ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a d
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
           "no-auto-barriers", "per-layer")  # see megakernel
-BOUNDARY_L2 = re.compile(r"l2-(attn|all)-([1-9][0-9]*)$")  # the trial l2-WHERE-D (see megakernel)
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -203,15 +201,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     the slots); the head's [rows, 128] output stored to the phase's sums. Real attention reads K and V from
     pages (k and v [layers · kv heads · pool · page_size, hd] bfloat16, a page table and the length, one sequence):
     ceil(length / 128) blocks, each as page_size-position TMA copies on kv_bar, scores past the length masked and
-    the last block's V rows past it zeroed. Trials "l2-attn-D" and "l2-all-D" (right outputs): once the producer has
-    issued the ring's first copies of the phase after attention (l2-attn) or of every next phase (l2-all), it asks
-    for the D ring steps after them into L2 (TMA prefetches), so that HBM streams them while the program waits at
-    the boundary (attention: 100 of 132 programs have no head and wait for wo's inputs).
-    Not done (for the served kernel): rows past 1, each with its pages."""
+    the last block's V rows past it zeroed. Not done (for the served kernel): rows past 1, each with its pages."""
     trials = set(filter(None, trial.split(",")))
-    boundary_l2 = [m for m in map(BOUNDARY_L2.match, trials) if m]
-    unknown = trials - set(TRIALS) - {m.group(0) for m in boundary_l2}
-    l2_where, l2_steps = (boundary_l2[0].group(1), int(boundary_l2[0].group(2))) if boundary_l2 else (None, 0)
+    unknown = trials - set(TRIALS)
     if unknown:
         raise ValueError(f"unknown trials {sorted(unknown)}; known: {', '.join(TRIALS)}")
     x_warpgroup = "x-warpgroup" in trials
@@ -709,12 +701,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         issue_ahead(layer, j + 1)
                     else:
                         pl.when(layer + 1 < layers)(lambda: issue_ahead(layer + 1, 0))
-                    if l2_steps and (l2_where == "all" or phases[j].name == "attn"):
-                        # the next phase's ring steps past those just issued, into L2, while this program waits
-                        # for the phase's inputs (l2 trials)
-                        first = layer * per_layer + bases[j + 1] if j + 1 < count else (layer + 1) * per_layer
-                        for d in range(l2_steps):
-                            prefetch_step(first + stages + d)
                 return carry
 
             lax.fori_loop(0, layers, layer_body, None)
