@@ -35,7 +35,7 @@ from jaxserve.model.transformer import decode_stacked, forward
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from pallas_kernels import backend as backend_lib
-from pallas_kernels.decode_megakernel import StackedLayers, stack_layers
+from pallas_kernels.decode_megakernel import StackedLayers, check_config, stack_layers
 from pallas_kernels.paged_attention import reads_float8_pages
 
 log = logging.getLogger(__name__)
@@ -297,6 +297,7 @@ class StepRunner:
                                 f"(kv_cache_dtype={self.cfg.kv_cache_dtype!r}, weights' activations "
                                 f"{model.weights.final_norm.dtype})")
         try:
+            check_config(model.config, self.cfg.page_size, backend=backend)
             return stack_layers(model.config, model.weights.layers)
         except ValueError as e:
             raise JaxserveError(f"decode_megakernel: {e}") from None

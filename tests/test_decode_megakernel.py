@@ -13,6 +13,7 @@ from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.quant import embed_lookup, quantize_weights
 from jaxserve.model.transformer import forward, normed_linear, rope_inv_freq
 from jaxserve.model.weights import random_weights
+from pallas_kernels import decode_megakernel
 from pallas_kernels.decode_megakernel.reference import decode_layers, stack_layers, stack_pages
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -116,6 +117,26 @@ def test_megakernel_lowers_for_the_gpu():
     with pytest.raises(ValueError, match=r"one row: x must be \[1, 4096\], got \(2, 4096\)"):
         mosaic_gpu.decode_layers(cfg, st, jax.ShapeDtypeStruct((2, 4096), jnp.float32), k_pages, v_pages, table,
                                  lengths, inv_freq, 16)
+
+
+def test_megakernel_names_the_models_and_pages_it_does_not_take(smollm):
+    """check_config (what the engine runs at start-up with decode_megakernel on a GPU) takes the 8B shapes at 16-
+    and 128-position pages and refuses by name the embedded model's 64-wide heads and pages that do not divide a
+    K/V block."""
+    from pallas_kernels.decode_megakernel.mosaic_gpu import check_config
+
+    for page_size in (8, 16, 128):
+        check_config(LLAMA_8B_2, page_size)
+    with pytest.raises(ValueError, match="takes head_dim 128 .*, got 64"):
+        decode_megakernel.check_config(smollm.config, 16, backend="mosaic_gpu")
+    decode_megakernel.check_config(smollm.config, 24, backend="reference")  # (the reference takes any)
+    for page_size in (24, 256, 12):
+        with pytest.raises(ValueError, match=f"divides 128, got page_size={page_size}"):
+            check_config(LLAMA_8B_2, page_size)
+    with pytest.raises(ValueError, match=r"w_gate_up is \[28736, 4096\]"):
+        check_config(ModelConfig(**{**LLAMA_8B_2.__dict__, "intermediate_size": 14368}), 16)
+    with pytest.raises(ValueError, match="num_heads must be at most 132 .*, got 160 and 8"):
+        check_config(ModelConfig(**{**LLAMA_8B_2.__dict__, "num_heads": 160, "hidden_size": 20480}), 16)
 
 
 @pytest.mark.gpu

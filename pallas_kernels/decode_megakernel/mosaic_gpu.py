@@ -81,6 +81,24 @@ def _kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, thr
     return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params, name="megakernel")
 
 
+def check_config(cfg, page_size: int, programs: int = backend_lib.NUM_SMS) -> None:
+    """Raises ValueError naming what of the model or the pages the served kernel (decode_layers) does not take:
+    a head is a tile of BLOCK_N, every product's outputs whole tiles and its inputs whole steps of BLOCK_K, a head a
+    program, the pages a multiple of 8 positions dividing a K/V block of BLOCK_N."""
+    if cfg.head_dim != BLOCK_N:
+        raise ValueError(f"the decode megakernel takes head_dim {BLOCK_N} (a head is a tile), got {cfg.head_dim}")
+    for name, (n, k) in layer_products(cfg).items():
+        if n % BLOCK_N or k % BLOCK_K:
+            raise ValueError(f"the decode megakernel takes products of whole [{BLOCK_N}, {BLOCK_K}] tiles: {name} is "
+                             f"[{n}, {k}]")
+    if not cfg.num_heads <= programs or cfg.num_heads % cfg.num_kv_heads:
+        raise ValueError(f"the decode megakernel runs a query head a program: num_heads must be at most {programs} "
+                         f"and a multiple of num_kv_heads, got {cfg.num_heads} and {cfg.num_kv_heads}")
+    if page_size % 8 or BLOCK_N % page_size:
+        raise ValueError(f"the decode megakernel takes pages of a multiple of 8 positions that divides {BLOCK_N}, got "
+                         f"page_size={page_size}")
+
+
 def writes_new_token(numerics: bool, attention: str, trials) -> bool:
     """Whether the kernel writes the step's new K/V into its page (every numeric and real attention, unless a
     trial leaves it out): what --check then compares."""
@@ -980,6 +998,8 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Raises ValueError naming what the kernel does not take."""
     layers = st.gains.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    programs = programs or backend_lib.NUM_SMS
+    check_config(cfg, page_size, programs)
     if x.shape != (1, cfg.hidden_size):
         raise ValueError(f"the megakernel decodes one row: x must be [1, {cfg.hidden_size}], got {x.shape}")
     if page_table.ndim != 2 or page_table.shape[0] != 1 or lengths.shape != (1,):
@@ -994,7 +1014,6 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"{k_pages.shape[0]} page rows are not {layers} layers of {kvh} KV heads' pools of "
                          f"{page_size}-position pages")
     pool = k_pages.shape[0] // (layers * kvh * page_size)
-    programs = programs or backend_lib.NUM_SMS
     kernel, phases = megakernel(cfg, layers, programs, stages=2, out_rows=1, trial=trial, products="s8", convert=True,
                                 numerics=True, attention="real", page_size=page_size, pool=pool,
                                 eps=cfg.rms_norm_eps)
