@@ -70,6 +70,7 @@ from pallas_kernels.decode_megakernel.mosaic_gpu import (  # noqa: E402
     CONTEXT,
     NORMED,
     PRODUCTS,
+    check_config,
     layer_products,
     megakernel,
     qkv_tiles,
@@ -169,6 +170,10 @@ def main() -> None:
         ap.error(f"--rows must be 1-{COLS}, got {args.rows}")
     if args.length < 1 or args.page_size < 8:
         ap.error(f"--length must be at least 1 and --page-size at least 8, got {args.length} and {args.page_size}")
+    try:
+        check_config(cfg, args.page_size, programs=args.programs)
+    except ValueError as e:
+        ap.error(str(e))
     pool = 2 * -(-(args.length + 1) // args.page_size)  # pages of each kv head's pool: the sequence's are half
     kernel, phases = megakernel(cfg, args.layers, args.programs, args.stages, args.rows, args.trial, args.products,
                                 args.convert, args.prefetch, args.split, args.split_inputs, args.numerics,

@@ -35,7 +35,7 @@ from jaxserve.model.transformer import decode_stacked, forward
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from pallas_kernels import backend as backend_lib
-from pallas_kernels.decode_megakernel import StackedLayers, check_config, stack_layers
+from pallas_kernels.decode_megakernel import StackedLayers, check_config, stack_layers, stack_pages
 from pallas_kernels.paged_attention import reads_float8_pages
 
 log = logging.getLogger(__name__)
@@ -238,13 +238,14 @@ class StepRunner:
             self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
                                      jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
         else:
+            zeros = partial(KVCache.zeros, model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
             cache: Any
-            if cfg.decode_megakernel:  # every layer's pages (and the padding page) in one pool a side: stack_pages'
-                mc = model.config
-                shape = (mc.num_layers * mc.num_kv_heads * (cfg.num_pages + 1) * cfg.page_size, mc.head_dim)
-                cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            if cfg.decode_megakernel:  # every layer's pages in one pool a side, as stack_pages lays them out (its
+                # shape taken without making the per-layer pool)
+                pool = jax.eval_shape(lambda: stack_pages(zeros().k))
+                cache = (jnp.zeros(pool.shape, pool.dtype), jnp.zeros(pool.shape, pool.dtype))
             else:
-                cache = KVCache.zeros(model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
+                cache = zeros()
             self.state = DeviceState(cache, jnp.zeros(cfg.max_slots, jnp.int32))
         full = cfg.max_pages_per_slot
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
@@ -292,15 +293,12 @@ class StepRunner:
             raise JaxserveError(f"decode_megakernel runs its Mosaic GPU kernel on a GPU or its jnp reference "
                                 f"(attention='reference'); attention={self.cfg.attention!r} is {backend} on "
                                 f"{jax.default_backend()}")
-        if backend == "mosaic_gpu" and jnp.dtype(dtype) != jnp.bfloat16:
-            raise JaxserveError(f"decode_megakernel's kernel reads bfloat16 K/V pages; these are {jnp.dtype(dtype)} "
-                                f"(kv_cache_dtype={self.cfg.kv_cache_dtype!r}, weights' activations "
-                                f"{model.weights.final_norm.dtype})")
         try:
-            check_config(model.config, self.cfg.page_size, backend=backend)
+            check_config(model.config, self.cfg.page_size, dtype, backend=backend)
             return stack_layers(model.config, model.weights.layers)
         except ValueError as e:
-            raise JaxserveError(f"decode_megakernel: {e}") from None
+            raise JaxserveError(f"decode_megakernel: {e} (page_size={self.cfg.page_size}, kv_cache_dtype="
+                                f"{self.cfg.kv_cache_dtype!r})") from None
 
     def _pages_that_fit(self, dtype: Any) -> int:
         """KV pages that fit in cfg.kv_memory_fraction of the devices' memory (see `pages_in_memory`)."""

@@ -128,8 +128,10 @@ def test_megakernel_names_the_models_and_pages_it_does_not_take(smollm):
     for page_size in (8, 16, 128):
         check_config(LLAMA_8B_2, page_size)
     with pytest.raises(ValueError, match="takes head_dim 128 .*, got 64"):
-        decode_megakernel.check_config(smollm.config, 16, backend="mosaic_gpu")
-    decode_megakernel.check_config(smollm.config, 24, backend="reference")  # (the reference takes any)
+        decode_megakernel.check_config(smollm.config, 16, jnp.bfloat16, backend="mosaic_gpu")
+    decode_megakernel.check_config(smollm.config, 24, jnp.float8_e4m3fn, backend="reference")  # (it takes any)
+    with pytest.raises(ValueError, match="reads bfloat16 K/V pages, got float8_e4m3fn"):
+        check_config(LLAMA_8B_2, 16, jnp.float8_e4m3fn)
     for page_size in (24, 256, 12):
         with pytest.raises(ValueError, match=f"divides 128, got page_size={page_size}"):
             check_config(LLAMA_8B_2, page_size)

@@ -29,12 +29,12 @@ def decode_layers(cfg: Any, st: StackedLayers, x: jax.Array, k_pages: jax.Array,
     return module.decode_layers(cfg, st, x, k_pages, v_pages, page_table, lengths, inv_freq, page_size, **options)
 
 
-def check_config(cfg: Any, page_size: int, *, backend: str = "auto") -> None:
+def check_config(cfg: Any, page_size: int, page_dtype: Any, *, backend: str = "auto") -> None:
     """Raises ValueError naming what of the model or the pages `backend`'s implementation does not take (the
     reference takes any; mosaic_gpu.check_config says what the kernel takes)."""
     name = backend_lib.resolve(backend)
     if name == "mosaic_gpu":
-        backend_lib.implementation(__name__, name).check_config(cfg, page_size)
+        backend_lib.implementation(__name__, name).check_config(cfg, page_size, page_dtype)
 
 
 __all__ = ["StackedLayers", "check_config", "decode_layers", "stack_layers", "stack_pages"]

@@ -81,10 +81,11 @@ def _kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, thr
     return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params, name="megakernel")
 
 
-def check_config(cfg, page_size: int, programs: int = backend_lib.NUM_SMS) -> None:
-    """Raises ValueError naming what of the model or the pages the served kernel (decode_layers) does not take:
+def check_config(cfg, page_size: int, page_dtype=jnp.bfloat16, programs: int = backend_lib.NUM_SMS) -> None:
+    """Raises ValueError naming what of the model or the pages the kernel (megakernel, decode_layers) does not take:
     a head is a tile of BLOCK_N, every product's outputs whole tiles and its inputs whole steps of BLOCK_K, a head a
-    program, the pages a multiple of 8 positions dividing a K/V block of BLOCK_N."""
+    program, the pages bfloat16 and a multiple of 8 positions dividing a K/V block of BLOCK_N. megakernel's
+    callers run it (it does not)."""
     if cfg.head_dim != BLOCK_N:
         raise ValueError(f"the decode megakernel takes head_dim {BLOCK_N} (a head is a tile), got {cfg.head_dim}")
     for name, (n, k) in layer_products(cfg).items():
@@ -97,6 +98,8 @@ def check_config(cfg, page_size: int, programs: int = backend_lib.NUM_SMS) -> No
     if page_size % 8 or BLOCK_N % page_size:
         raise ValueError(f"the decode megakernel takes pages of a multiple of 8 positions that divides {BLOCK_N}, got "
                          f"page_size={page_size}")
+    if jnp.dtype(page_dtype) != jnp.bfloat16:
+        raise ValueError(f"the decode megakernel reads bfloat16 K/V pages, got {jnp.dtype(page_dtype)}")
 
 
 def writes_new_token(numerics: bool, attention: str, trials) -> bool:
@@ -250,14 +253,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if numerics and real_attention and "no-new" not in trials and stages > 2:
         raise ValueError(f"numerics with real attention needs stages <= 2 (at 3 its shared memory is ~240 KB of the "
                          f"H100's 227 KB a block; without the new token's fold tiles it fits), got {stages}")
-    if cfg.head_dim != BLOCK_N:
-        raise ValueError(f"a head is a tile: head_dim must be {BLOCK_N}, got {cfg.head_dim}")
     if real_attention and out_rows != 1:
         raise ValueError(f"real attention reads one sequence's pages (and with numerics writes its new token's K/V): "
                          f"rows must be 1, got {out_rows}")
     # (the step's length must be at least 1: with no K/V block attention would count no tile, and wo would wait on)
-    if real_attention and (page_size % 8 or BLOCK_N % page_size):
-        raise ValueError(f"page_size must be a multiple of 8 that divides {BLOCK_N}, got {page_size}")
     if "no-split" in trials and not parts:
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
@@ -999,15 +998,14 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     layers = st.gains.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
     programs = programs or backend_lib.NUM_SMS
-    check_config(cfg, page_size, programs)
+    check_config(cfg, page_size, k_pages.dtype, programs)
     if x.shape != (1, cfg.hidden_size):
         raise ValueError(f"the megakernel decodes one row: x must be [1, {cfg.hidden_size}], got {x.shape}")
     if page_table.ndim != 2 or page_table.shape[0] != 1 or lengths.shape != (1,):
         raise ValueError(f"one row: page_table must be [1, pages] and lengths [1], got {page_table.shape} and "
                          f"{lengths.shape}")
-    if k_pages.shape != v_pages.shape or k_pages.ndim != 2 or k_pages.shape[1] != hd or \
-            k_pages.dtype != jnp.bfloat16 or v_pages.dtype != jnp.bfloat16:
-        raise ValueError(f"K and V pages must be bfloat16 [layers · kv heads · pool · page_size, {hd}] "
+    if k_pages.shape != v_pages.shape or k_pages.ndim != 2 or k_pages.shape[1] != hd or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"K and V pages must be alike, [layers · kv heads · pool · page_size, {hd}] "
                          f"(reference.stack_pages), got {k_pages.dtype}{list(k_pages.shape)} and "
                          f"{v_pages.dtype}{list(v_pages.shape)}")
     if k_pages.shape[0] % (layers * kvh * page_size):
