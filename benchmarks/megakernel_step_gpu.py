@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
     ap.add_argument("--trial", action="append", default=[],
-                    help="also check and time the megakernel with this trial (e.g. no-auto-barriers); repeatable")
+                    help="also check and time the megakernel with this trial (e.g. auto-barriers); repeatable")
     ap.add_argument("--hlo", action="store_true", help="print the megakernel step's compiled operations")
     ap.add_argument("--out", default="benchmarks/results/megakernel_step_gpu.jsonl")
     args = ap.parse_args()

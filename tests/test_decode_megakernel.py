@@ -211,3 +211,40 @@ def test_engine_decoding_through_the_megakernel_generates_what_it_generates_with
     with pytest.raises(JaxserveError, match="decode_megakernel: layer 0's wqkv must be int8"):
         build_engine(LoadedModel(cfg, random_weights(cfg, jax.random.key(7)), smollm.tokenizer, "float"),
                      EngineConfig(**{**engine_cfg.__dict__, "decode_megakernel": True}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_engine_decodes_through_the_megakernel_on_the_gpu(tmp_path_factory, page_size):
+    """The engine's decode_megakernel mode on the chip, its set-up included (the layers and pools stacked, the
+    buckets compiled, prefill on per-layer views of the pools): two 8B-shaped layers of random int8 weights, two
+    prompts, the first crossing 16-position pages. Every token it generates is the served int8 model's greedy token
+    for the same sequence (its forward over prompt and tokens at once), to the kernel's tolerance: the kernel reads
+    the K/V that prefill and its own earlier steps wrote."""
+    from jaxserve.checkpoint import LoadedModel, load_model
+    from jaxserve.config import EngineConfig, SamplingParams
+    from jaxserve.step import build_engine
+    from tests.tiny_models import hf_tiny, write_gguf
+
+    assert jax.default_backend() == "gpu"
+    path = str(tmp_path_factory.mktemp("tokenizer") / "tiny.gguf")
+    write_gguf(path, hf_tiny("llama"))
+    tokenizer = load_model(path, dtype="float32").tokenizer  # (its byte vocabulary: 260 tokens)
+    cfg = ModelConfig(**{**LLAMA_8B_2.__dict__, "vocab_size": 260, "max_position_embeddings": 1024})
+    weights = quantize_weights(random_weights(cfg, jax.random.PRNGKey(3), jnp.bfloat16), QuantConfig(mode="int8"),
+                               jnp.bfloat16)
+    model = LoadedModel(cfg, weights, tokenizer, "8B-shaped-2-layers-int8")
+    engine = build_engine(model, EngineConfig(max_slots=1, page_size=page_size, num_pages=8, max_pages_per_slot=4,
+                                              chunk_buckets=(32,), decode_megakernel=True))
+    prompts = [[int(t) for t in np.random.RandomState(s).randint(0, 256, n)] for s, n in ((0, 21), (1, 5))]
+    new = 12
+    outputs = [r.output_ids for r in engine.generate(prompts, [SamplingParams(max_tokens=new, ignore_eos=True)] * 2)]
+    for prompt, out in zip(prompts, outputs):
+        assert len(out) == new
+        seq = jnp.asarray([prompt + out[:-1]], jnp.int32)
+        cache = KVCache.zeros(cfg, 4, page_size, jnp.bfloat16)
+        logits = forward(weights, cfg, seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None],
+                         jnp.ones(seq.shape, bool), jnp.arange(4, dtype=jnp.int32)[None], cache).logits[0]
+        rows = np.asarray(logits[len(prompt) - 1:], np.float64)  # each generated token's row
+        short = rows.max(axis=1) - rows[np.arange(new), out]  # how far below the row's greedy logit each token is
+        assert (short <= 3e-2 * np.abs(rows).max(axis=1)).all(), (out, short, rows.argmax(axis=1))

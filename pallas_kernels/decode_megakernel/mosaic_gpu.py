@@ -37,7 +37,7 @@ CONTEXT = 256  # positions of K and V an attention head streams (the decode benc
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
-          "no-auto-barriers", "per-layer")  # see megakernel
+          "auto-barriers", "per-layer")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -187,6 +187,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     "no-write" attended, not written. "per-layer" (right outputs): each layer's weights and (real attention) K and V
     pages are arrays of their own, as the engine holds them (a weight [n, k], a pool [kv heads · pool · page, hd]),
     each copy choosing its layer's array by a tree of branches on the layer, instead of one array of every layer.
+    "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around every copy and store, which the
+    kernel otherwise leaves out (see its compiler_params).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -576,7 +578,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             sq_smem.at[lax.rem(layer, 2)][...] = zeros
                             if full:
                                 sq_smem.at[3][...] = zeros
-                                plgpu.commit_smem()  # (a warpgroup barrier: zero before this unit's split adds)
+                            plgpu.commit_smem()  # (a warpgroup barrier: zero before this unit's split adds)
                     if "no-split" not in trials:
                         normed = numerics and phases[j].name in NORMED and "no-gain" not in trials
                         # gate_up: the first `steps` units of a run hold each of the 16 input steps once (a run is
@@ -821,6 +823,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         scores = jnp.where(key + blk * BLOCK_N < length, scores, -jnp.inf)  # past the length: none
                         probs, m, denom, alpha = online_softmax(scores, m, denom, c, axis=0)
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+                        plgpu.commit_smem()  # (a warpgroup barrier: every warp's part of the block before's Vᵀ·P
+                        # wgmma, which reads all of P, is done before P is stored again)
                         p_smem[...] = probs.astype(p_smem.dtype)
                         plgpu.commit_smem()
                         plgpu.barrier_wait(tile_bar.at[v_slot])
@@ -978,9 +982,17 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.Barrier(num_arrivals=1),  # the new token's key tile and v stored (the fold's)
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
-        # no-auto-barriers: Pallas's warpgroup sync before each TMA copy (and around shared-memory accesses) left
-        # out; session 31's lead on the cost of 16-position pages (8 copies, 8 syncs a block)
-        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="no-auto-barriers" in trials),
+        # Without Pallas's automatic warpgroup syncs (one before each TMA copy a thread issues, one before and one
+        # after each store to shared memory): every hand-over of shared memory between a warpgroup's threads has a
+        # sync of its own. Between warpgroups the hand-overs are mbarriers, which every thread arrives at after its
+        # own reads and writes. Within one: a store and the reads of it by other threads, or by wgmma and TMA, are
+        # separated by commit_smem (a fence and a warpgroup sync); a store over what other threads or a wgmma read
+        # before comes after one too (raw_smem: the split's commit; o_smem and ao_smem: wait_smem_to_gmem, which
+        # syncs; P: the commit before it; the scales' and residual's copies: the fragment before's commit), and
+        # semaphore_wait ends in a warpgroup sync before a copy that depends on it. split_tile's threads share
+        # nothing across warps. "auto-barriers" puts Pallas's syncs back (sessions 30-33's kernel): the 8 syncs a
+        # K/V block at 16-position pages were most of what those pages cost.
+        compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="auto-barriers" not in trials),
     )
     return kernel, phases
 
@@ -993,7 +1005,7 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     page_table [1, pages] int32, lengths [1] int32 (positions cached, at least 1; the new token's is next and its
     page must be in the table), inv_freq the rotary frequencies [head_dim / 2] -> (h [1, d] float32, the layers'
     output before the final norm; k_pages; v_pages with the new K/V written in place).
-    `trial`: one of megakernel's trials that keep the outputs right, for benchmarks (e.g. "no-auto-barriers").
+    `trial`: one of megakernel's trials that keep the outputs right, for benchmarks (e.g. "auto-barriers").
     Raises ValueError naming what the kernel does not take."""
     layers = st.gains.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
