@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--trial", action="append", default=[],
                     help="also check and time the megakernel with this trial (e.g. auto-barriers); repeatable")
     ap.add_argument("--hlo", action="store_true", help="print the megakernel step's compiled operations")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timings, where 20 megakernel steps (128-position pages) spend the device's time")
     ap.add_argument("--out", default="benchmarks/results/megakernel_step_gpu.jsonl")
     args = ap.parse_args()
     cfg = dataclasses.replace(LLAMA_8B, num_layers=args.layers or LLAMA_8B.num_layers)
@@ -164,6 +166,22 @@ def main() -> None:
         if key != "bfloat16":
             record(args.out, "megakernel_decode_step", config, "tokens_per_s", 1 / med[key], "tokens/s",
                    "bfloat16 served step, batch 1 (same process)", 1 / base)
+    if args.profile:
+        print_profile(fns[big, ""], (int8_weights, layers, tokens, lengths, mk[big, ""][0]), mk[big, ""][1])
+
+
+def print_profile(fn, args, pages, steps: int = 20) -> None:
+    """Each kernel's device time a step over `steps` megakernel steps, and the idle time between kernels."""
+    from benchmarks.decode_profile_gpu import busy_ns, device_profile, gaps_ns
+
+    intervals, time_by, count_by = device_profile(lambda: time_megakernel(fn, args, pages, steps))
+    busy, span = busy_ns(intervals)
+    large, count, small = gaps_ns(intervals)
+    print(f"\nprofile of {steps} megakernel steps (128-position pages): busy {busy / steps / 1e3:.1f} us a step, span "
+          f"{span / steps / 1e3:.1f}, gaps under 10 us {small / steps / 1e3:.1f}, longer {large / steps / 1e3:.1f} "
+          f"({count})", flush=True)
+    for name, t in time_by.most_common(16):
+        print(f"    {t / steps / 1e3:9.1f} us  x{count_by[name] / steps:.0f}  {name}", flush=True)
 
 
 def print_ops(lowered) -> None:
