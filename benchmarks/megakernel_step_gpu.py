@@ -63,7 +63,9 @@ def time_megakernel(fn, args, pages, steps: int) -> tuple[float, tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", default="50,200",
+                    help="steps a timing, comma-joined: each count timed for every step (fill and drain of the "
+                         "dispatch included, so short timings weigh them more)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
     ap.add_argument("--trial", action="append", default=[],
@@ -138,34 +140,35 @@ def main() -> None:
         *_, k_pages, v_pages = fns[key](int8_weights, layers, tokens, lengths, table_, *pages_)
         mk[key] = (table_, (k_pages, v_pages))
 
-    times = {"bfloat16": [], "int8": [], **{key: [] for key in mk}}
     states = {"bfloat16": bf16[1], "int8": int8[1]}
     weights = {"bfloat16": bf16_weights, "int8": int8_weights}
     steps_of = {"bfloat16": bf16, "int8": int8}
-    for _ in range(args.reps):  # alternated
-        for name in ("bfloat16", "int8"):
-            t, states[name] = run_steps(steps_of[name][0], weights[name], states[name], steps_of[name][2],
-                                        args.steps)
-            times[name].append(t)
-        for key in mk:
-            t, new_pages = time_megakernel(fns[key], (int8_weights, layers, tokens, lengths, mk[key][0]),
-                                           mk[key][1], args.steps)
-            mk[key] = (mk[key][0], new_pages)
-            times[key].append(t)
-    med = {k: float(np.median(v)) for k, v in times.items()}
-    base = med["bfloat16"]
-    print(f"\n{'step (batch 1, context 256)':<56}{'ms':>8}{'tokens/s':>10}{'vs bfloat16':>13}")
     labels = {"bfloat16": "bfloat16, served", "int8": "int8, served",
               **{key: f"int8, megakernel, {key[0]}-position pages{f', trial {key[1]}' if key[1] else ''}"
                  for key in mk}}
-    for key, label in labels.items():
-        print(f"{label:<56}{med[key] * 1e3:>8.3f}{1 / med[key]:>10.1f}{base / med[key]:>12.3f}x")
-        config = {"model": "8B-shaped Llama, random weights", "layers": cfg.num_layers, "context": CONTEXT,
-                  "batch": 1, "steps": args.steps, "reps": args.reps, "step": label,
-                  "logits_error_vs_served_int8": error, "greedy_agrees": agree}
-        if key != "bfloat16":
-            record(args.out, "megakernel_decode_step", config, "tokens_per_s", 1 / med[key], "tokens/s",
-                   "bfloat16 served step, batch 1 (same process)", 1 / base)
+    for steps in (int(n) for n in args.steps.split(",")):
+        times: dict = {key: [] for key in labels}
+        for _ in range(args.reps):  # alternated
+            for name in ("bfloat16", "int8"):
+                t, states[name] = run_steps(steps_of[name][0], weights[name], states[name], steps_of[name][2], steps)
+                times[name].append(t)
+            for key in mk:
+                t, new_pages = time_megakernel(fns[key], (int8_weights, layers, tokens, lengths, mk[key][0]),
+                                               mk[key][1], steps)
+                mk[key] = (mk[key][0], new_pages)
+                times[key].append(t)
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        base = med["bfloat16"]
+        print(f"\n{f'step (batch 1, context 256), {steps} steps a timing':<56}{'ms':>8}{'tokens/s':>10}"
+              f"{'vs bfloat16':>13}")
+        for key, label in labels.items():
+            print(f"{label:<56}{med[key] * 1e3:>8.3f}{1 / med[key]:>10.1f}{base / med[key]:>12.3f}x")
+            config = {"model": "8B-shaped Llama, random weights", "layers": cfg.num_layers, "context": CONTEXT,
+                      "batch": 1, "steps": steps, "reps": args.reps, "step": label,
+                      "logits_error_vs_served_int8": error, "greedy_agrees": agree}
+            if key != "bfloat16":
+                record(args.out, "megakernel_decode_step", config, "tokens_per_s", 1 / med[key], "tokens/s",
+                       "bfloat16 served step, batch 1 (same process)", 1 / base)
     if args.profile:
         print_profile(fns[big, ""], (int8_weights, layers, tokens, lengths, mk[big, ""][0]), mk[big, ""][1])
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,7 @@ CONTEXT = 256  # positions of K and V an attention head streams (the decode benc
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
-          "auto-barriers", "per-layer", "zero-boxes", "l2-kv")  # see megakernel
+          "auto-barriers", "per-layer")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -189,11 +188,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     pages are arrays of their own, as the engine holds them (a weight [n, k], a pool [kv heads · pool · page, hd]),
     each copy choosing its layer's array by a tree of branches on the layer, instead of one array of every layer.
     "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around every copy and store, which the
-    kernel otherwise leaves out (see its compiler_params). "zero-boxes" (right outputs): each program zeroes its
-    share of the reduce-added outputs in copies of [8 layers, rows, 256] instead of [rows, 64] (32 times fewer
-    copies before the first product may add). "l2-kv" (real attention, right outputs): as a head's first K/V
-    copies are issued, the rest of its blocks are asked into L2 (a TMA prefetch a page), so that the blocks that
-    wait for a ring slot come from L2.
+    kernel otherwise leaves out (see its compiler_params).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -283,8 +278,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
                          f"of {short[0].units // programs} units at {programs} programs are shorter")
     group = cfg.num_heads // cfg.num_kv_heads
-    # the zeroing's copies: [z_layers, rows, z_cols] (zero-boxes: 8 KB) or [1, rows, 64]
-    z_layers, z_cols = (math.gcd(layers, max(1, COLS // out_rows)), 256) if "zero-boxes" in trials else (1, 64)
     widths = [next(ph.n for ph in phases if ph.out == out) for out in range(len(names))]  # each phase's outputs
     tiles_of = [cfg.num_heads if name == "attn" else w // BLOCK_N for name, w in zip(names, widths)]
     offsets = [sum(tiles_of[:out]) for out in range(len(names))]  # of each phase's tiles in a layer's counts
@@ -695,19 +688,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     pl.when(is_k)(lambda: with_layer(layer, kv_refs[0], lambda a, _: copy_pages(a, k_view)))
                     pl.when(~is_k)(lambda: with_layer(layer, kv_refs[1], lambda a, _: copy_pages(a, v_view)))
                     plgpu.barrier_arrive(tile_bar.at[slot])
-                    if "l2-kv" in trials:  # with the head's first copy, the blocks past the ring's into L2
-                        @pl.when(u == runs[j][0])
-                        def _():
-                            def ask(i, c):
-                                rest = [(base + jnp.clip(table_ref[jnp.minimum(i * per_block + r,
-                                                                               table_ref.shape[0] - 1)], 0, pool - 1))
-                                        * page_size for r in range(per_block)]
-                                for pages in kv_refs:
-                                    for first in rest:
-                                        with_layer(layer, pages, lambda a, _, first=first: plgpu.async_prefetch(
-                                            a.at[pl.ds(first, page_size)]))
-                                return c
-                            lax.fori_loop(stages // 2, blocks, ask, None)
                 else:
                     with_weight(layer, j, u, lambda src: plgpu.copy_gmem_to_smem(src, w_smem.at[slot],
                                                                                  tile_bar.at[slot]))
@@ -764,14 +744,13 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 for out, (name, n) in enumerate(zip(names, widths)):
                     if name == "attn":
                         continue
-                    cw = math.gcd(n, z_cols)  # columns a copy zeroes (n is whole tiles of BLOCK_N)
-                    chunks = layers // z_layers * (n // cw)
+                    chunks = layers * (n // qmm_gpu.ROWS)
 
-                    def zero(i, c, out=out, n=n, cw=cw):
+                    def zero(i, c, out=out, n=n):
                         chunk = p + i * programs
-                        col = pl.ds(lax.rem(chunk, n // cw) * cw, cw)
-                        plgpu.copy_smem_to_gmem(z_smem.at[:, pl.ds(0, out_rows), pl.ds(0, cw)],
-                                                o_refs[out].at[pl.ds(lax.div(chunk, n // cw) * z_layers, z_layers),
+                        col = pl.ds(lax.rem(chunk, n // qmm_gpu.ROWS) * qmm_gpu.ROWS, qmm_gpu.ROWS)
+                        plgpu.copy_smem_to_gmem(z_smem.at[pl.ds(0, out_rows)],
+                                                o_refs[out].at[lax.div(chunk, n // qmm_gpu.ROWS),
                                                                pl.ds(0, out_rows), col])
                         return c
 
@@ -779,8 +758,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 if full:  # the layers' squares (layer p, p + programs, ...)
                     def zero_squares(i, c):
                         for at in range(0, sqg_ref.shape[1], qmm_gpu.ROWS):
-                            plgpu.copy_smem_to_gmem(z_smem.at[0, 0, pl.ds(0, qmm_gpu.ROWS)],
-                                                    sqg_ref.at[p + i * programs, pl.ds(at, qmm_gpu.ROWS)])
+                            plgpu.copy_smem_to_gmem(z_smem.at[0], sqg_ref.at[p + i * programs, pl.ds(at, qmm_gpu.ROWS)])
                         return c
 
                     lax.fori_loop(0, lax.div(layers - p + programs - 1, programs), zero_squares, None)
@@ -977,7 +955,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             ring_type,
             plgpu.SMEM((stages, PARTS * COLS if parts else COLS, BLOCK_K), x_dtype, transforms=x_transforms),
             plgpu.SMEM((2, COLS, qmm_gpu.ROWS), jnp.float32),
-            plgpu.SMEM((z_layers, out_rows if "zero-boxes" in trials else COLS, z_cols), jnp.float32),  # zeros
+            plgpu.SMEM((COLS, qmm_gpu.ROWS), jnp.float32),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # a unit's weight tile and its activations
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups done with a slot
             plgpu.SMEM((stages if convert else 1, COLS, 2 * BLOCK_K if convert else 8), jnp.float32),  # staging
