@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -12,6 +14,18 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # tests run on the first device as before; on a GPU or TPU the flag changes nothing.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=12".strip()
+# One persistent compilation cache for the session's processes (the pytest-xdist workers, spawned after this runs,
+# and the CLI, server and batch subprocesses inherit it): the embedded model's step buckets, built by many tests,
+# compile once. A directory of this session's own, removed at its end; a cache set from outside is left alone.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _OWN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-tests-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # (the controller's; workers inherit it)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
