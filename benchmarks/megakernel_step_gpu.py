@@ -36,6 +36,7 @@ from jaxserve.step import _greedy  # noqa: E402  (the served step's greedy token
 from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: E402
 
 CONTEXT = 256  # tokens already cached (int8_gpu.py's)
+ROW_MAJOR = "row-major"  # not a kernel trial: the megakernel on the layers stacked row-major (stack_layers(tiles=False))
 
 
 def megakernel_step(cfg, page_size: int, trial: str = ""):
@@ -43,7 +44,8 @@ def megakernel_step(cfg, page_size: int, trial: str = ""):
     pages donated (written in place)."""
     def step(weights, layers, tokens, lengths, table, k_pages, v_pages):
         logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens, lengths, table, k_pages, v_pages,
-                                                  page_size, backend="mosaic_gpu", trial=trial)
+                                                  page_size, backend="mosaic_gpu",
+                                                  trial="" if trial == ROW_MAJOR else trial)
         token, chosen = _greedy(logits)
         return token, chosen, logits, k_pages, v_pages
 
@@ -69,7 +71,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
     ap.add_argument("--trial", action="append", default=[],
-                    help="also check and time the megakernel with this trial (e.g. auto-barriers); repeatable")
+                    help="also check and time the megakernel with this trial (e.g. auto-barriers; or row-major: "
+                         "the layers stacked row-major, not as tiles); repeatable")
     ap.add_argument("--hlo", action="store_true", help="print the megakernel step's compiled operations")
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, where 20 megakernel steps (128-position pages) spend the device's time")
@@ -83,6 +86,10 @@ def main() -> None:
     bf16 = decode_step(cfg, bf16_weights, 1, CONTEXT)  # (step, state, inp), run once
     int8 = decode_step(cfg, int8_weights, 1, CONTEXT)
     layers = stack_layers(cfg, int8_weights.layers)
+    row_major = stack_layers(cfg, int8_weights.layers, tiles=False) if ROW_MAJOR in args.trial else None
+
+    def layers_of(trial):
+        return row_major if trial == ROW_MAJOR else layers
     page_size = int8[1].cache.page_size
     inp = int8[2]
     tokens, lengths = jnp.asarray(inp["tokens"]), jnp.asarray(inp["positions"][:, 0])
@@ -95,9 +102,10 @@ def main() -> None:
     int8 = (int8[0], state, inp)
     fns = {page_size: megakernel_step(cfg, page_size)}
 
-    def check(fn, pages, name):  # the megakernel's logits on the served step's cache against the served step's
+    def check(fn, pages, name, trial=""):  # the megakernel's logits on the served step's cache against the served
+        # step's
         t0 = time.perf_counter()
-        token, _, logits, *pages = fn(int8_weights, layers, tokens, lengths, table, *pages)
+        token, _, logits, *pages = fn(int8_weights, layers_of(trial), tokens, lengths, table, *pages)
         print(f"{name} compiled and run in {time.perf_counter() - t0:.0f} s", flush=True)
         want, got = np.asarray(served_logits[0], np.float64), np.asarray(logits[0], np.float64)
         error = float(np.abs(got - want).max() / np.abs(want).max())
@@ -124,7 +132,8 @@ def main() -> None:
                 if size == page_size:  # a trial's outputs checked as the kernel's were
                     served_pages = [stack_pages(c) for c in (state.cache.k, state.cache.v)]
                     try:
-                        mk[size, trial] = (table, tuple(check(fns[size, trial], served_pages, f"trial {trial}")[2]))
+                        mk[size, trial] = (table, tuple(check(fns[size, trial], served_pages, f"trial {trial}",
+                                                              trial)[2]))
                     except (Exception, SystemExit) as e:  # (a trial that fails to build or check is left out)
                         print(f"trial {trial} left out: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         break
@@ -133,11 +142,11 @@ def main() -> None:
                                                         for _ in range(2)))
             if args.hlo and size == big:
                 fn = fns.get((size, trial), fns.get(size))
-                print_ops(fn.lower(int8_weights, layers, tokens, lengths, *mk[size, trial][0:1], *mk[size, trial][1]))
+                print_ops(fn.lower(int8_weights, layers_of(trial), tokens, lengths, *mk[size, trial][0:1], *mk[size, trial][1]))
     fns[page_size, ""] = fns.pop(page_size)
     for key in mk:  # once each, compiled
         table_, pages_ = mk[key]
-        *_, k_pages, v_pages = fns[key](int8_weights, layers, tokens, lengths, table_, *pages_)
+        *_, k_pages, v_pages = fns[key](int8_weights, layers_of(key[1]), tokens, lengths, table_, *pages_)
         mk[key] = (table_, (k_pages, v_pages))
 
     states = {"bfloat16": bf16[1], "int8": int8[1]}
@@ -153,8 +162,8 @@ def main() -> None:
                 t, states[name] = run_steps(steps_of[name][0], weights[name], states[name], steps_of[name][2], steps)
                 times[name].append(t)
             for key in mk:
-                t, new_pages = time_megakernel(fns[key], (int8_weights, layers, tokens, lengths, mk[key][0]),
-                                               mk[key][1], steps)
+                t, new_pages = time_megakernel(fns[key], (int8_weights, layers_of(key[1]), tokens, lengths,
+                                                          mk[key][0]), mk[key][1], steps)
                 mk[key] = (mk[key][0], new_pages)
                 times[key].append(t)
         med = {k: float(np.median(v)) for k, v in times.items()}

@@ -295,7 +295,7 @@ class StepRunner:
                                 f"{jax.default_backend()}")
         try:
             check_config(model.config, self.cfg.page_size, dtype, backend=backend)
-            return stack_layers(model.config, model.weights.layers)
+            return stack_layers(model.config, model.weights.layers, tiles=backend == "mosaic_gpu")
         except ValueError as e:
             raise JaxserveError(f"decode_megakernel: {e} (page_size={self.cfg.page_size}, kv_cache_dtype="
                                 f"{self.cfg.kv_cache_dtype!r})") from None

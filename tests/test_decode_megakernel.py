@@ -47,7 +47,7 @@ def test_reference_decode_step_is_the_models():
     stacked_k, stacked_v = stack_pages(cache.k), stack_pages(cache.v)  # before the step: the model's writes are next
     out = forward(weights, CFG, token, jnp.asarray(lengths)[:, None], jnp.ones((2, 1), bool), jnp.asarray(table), cache)
 
-    st = stack_layers(CFG, weights.layers)
+    st = stack_layers(CFG, weights.layers, tiles=False)  # (CFG's products are not whole tiles)
     x = embed_lookup(weights.embed, token, jnp.float32)[:, 0]
     h, k_pages, v_pages = decode_layers(CFG, st, x, stacked_k, stacked_v, jnp.asarray(table), jnp.asarray(lengths),
                                         rope_inv_freq(CFG.head_dim, CFG.rope_theta, CFG.rope_scaling), PAGE)
@@ -56,6 +56,33 @@ def test_reference_decode_step_is_the_models():
     np.testing.assert_allclose(np.asarray(k_pages), np.asarray(stack_pages(out.cache.k)), rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(np.asarray(v_pages), np.asarray(stack_pages(out.cache.v)), rtol=2e-4, atol=2e-4)
     assert not np.allclose(np.asarray(k_pages), np.asarray(stacked_k))  # the step wrote something
+
+
+def test_tiled_layers_are_the_row_major_ones():
+    """stack_layers' tiles (the kernel's layout) hold the same products as its row-major form: to_tiles and
+    from_tiles are inverses, and the reference decodes the same from either, on products of whole tiles."""
+    from pallas_kernels.decode_megakernel.reference import from_tiles, to_tiles
+
+    w = jnp.arange(256 * 512).reshape(256, 512)
+    tiled = to_tiles(w)
+    assert tiled.shape == (4, 128, 256)
+    np.testing.assert_array_equal(tiled[1], w[:128, 256:])  # a row tile's second input step, then the next tile
+    np.testing.assert_array_equal(tiled[2], w[128:, :256])
+    np.testing.assert_array_equal(from_tiles(tiled, 256), w)
+    cfg = ModelConfig(vocab_size=97, hidden_size=512, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=128)  # (two input steps where a product's inputs are d)
+    weights = quantize_weights(random_weights(cfg, jax.random.PRNGKey(1)), QuantConfig(mode="int8"))
+    tiles, rows = stack_layers(cfg, weights.layers), stack_layers(cfg, weights.layers, tiles=False)
+    assert [v.shape for v in tiles.values] == [(32, 128, 256), (16, 128, 256), (16, 128, 256), (8, 128, 256)]
+    table, lengths = jnp.asarray([[1, 0]], jnp.int32), jnp.asarray([5], jnp.int32)
+    pages = jax.random.normal(jax.random.PRNGKey(2), (2 * 2 * 2 * 8, 128))  # [layers · kv heads · pool · page]
+    x = jax.random.normal(jax.random.PRNGKey(4), (1, 512))
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    got, want = (decode_layers(cfg, st, x, pages, pages, table, lengths, inv_freq, 8) for st in (tiles, rows))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"weight tiles are \[128, 256\]: layer 0's wqkv is \[128, 64\]"):
+        stack_layers(CFG, _model().layers)
 
 
 def test_stack_layers_refuses_what_the_megakernel_does_not_take():
@@ -73,13 +100,14 @@ LLAMA_8B_2 = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=
                          num_kv_heads=8, head_dim=128, rope_theta=500000.0)  # the kernel's shapes, two layers
 
 
-def _stacked_inputs(cfg, length: int, page_size: int, abstract: bool = False):
+def _stacked_inputs(cfg, length: int, page_size: int, abstract: bool = False, tiles: bool = True):
     """Random stacked int8 layers and bfloat16 pages for the kernel: (st, x, k_pages, v_pages, table, lengths);
-    K an eighth of V's size, so that the cached scores are O(1) and a key more or less shows. `abstract`: shapes only."""
+    K an eighth of V's size, so that the cached scores are O(1) and a key more or less shows. `abstract`: shapes only.
+    `tiles`: the weights as stack_layers' tiles (else row-major)."""
     from jax import ShapeDtypeStruct as Spec
 
     from pallas_kernels.decode_megakernel.mosaic_gpu import layer_products
-    from pallas_kernels.decode_megakernel.reference import PRODUCTS, StackedLayers
+    from pallas_kernels.decode_megakernel.reference import PRODUCTS, TILE, StackedLayers, to_tiles
 
     layers, shapes = cfg.num_layers, layer_products(cfg)
     pages = -(-(length + 1) // page_size)
@@ -87,13 +115,15 @@ def _stacked_inputs(cfg, length: int, page_size: int, abstract: bool = False):
     rows = layers * cfg.num_kv_heads * pool * page_size
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
     if abstract:
-        values = [Spec((layers * shapes[n][0], shapes[n][1]), jnp.int8) for n in PRODUCTS]
+        values = [Spec((layers * shapes[n][0] * shapes[n][1] // (TILE[0] * TILE[1]), *TILE) if tiles else
+                       (layers * shapes[n][0], shapes[n][1]), jnp.int8) for n in PRODUCTS]
         scales = [Spec((layers * shapes[n][0],), jnp.float32) for n in PRODUCTS]
         return (StackedLayers(tuple(values), tuple(scales), Spec((layers, 2, cfg.hidden_size), jnp.float32)),
                 Spec((1, cfg.hidden_size), jnp.float32), Spec((rows, cfg.head_dim), jnp.bfloat16),
                 Spec((rows, cfg.head_dim), jnp.bfloat16), Spec((1, pages), jnp.int32), Spec((1,), jnp.int32))
     values = [jax.random.randint(next(keys), (layers * shapes[n][0], shapes[n][1]), -127, 128, jnp.int32
                                  ).astype(jnp.int8) for n in PRODUCTS]
+    values = [to_tiles(v) if tiles else v for v in values]  # (layer-major either way: a layer's tiles are its rows')
     scales = [jax.random.uniform(next(keys), (layers * shapes[n][0],), jnp.float32, 1e-3, 2e-3) for n in PRODUCTS]
     gains = jax.random.uniform(next(keys), (layers, 2, cfg.hidden_size), jnp.float32, 0.5, 2.0)
     k_pages, v_pages = [(jax.random.normal(next(keys), (rows, cfg.head_dim)) * size).astype(jnp.bfloat16)
@@ -142,15 +172,16 @@ def test_megakernel_names_the_models_and_pages_it_does_not_take(smollm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length,page_size", [(200, 16), (256, 128)])
-def test_megakernel_is_the_reference_on_the_gpu(length, page_size):
+@pytest.mark.parametrize("length,page_size,tiles", [(200, 16, True), (256, 128, True), (256, 128, False)])
+def test_megakernel_is_the_reference_on_the_gpu(length, page_size, tiles):
     """Two 8B-shaped layers by the kernel and by reference.decode_layers, on random int8 weights and pages: the
-    layers' output and every K/V page (the new token's written) agree; a partial last block at 200 positions."""
+    layers' output and every K/V page (the new token's written) agree; a partial last block at 200 positions; the
+    weights as stack_layers' tiles or row-major."""
     from pallas_kernels.decode_megakernel import mosaic_gpu, reference
 
     assert jax.default_backend() == "gpu"
     cfg = LLAMA_8B_2
-    st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, length, page_size)
+    st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, length, page_size, tiles=tiles)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda *a: reference.decode_layers(cfg, *a, inv_freq, page_size))(
@@ -177,7 +208,7 @@ def test_model_decode_through_the_stacked_layers_is_forward():
     cache = forward(weights, CFG, prompt, positions, jnp.ones((1, 6), bool), jnp.asarray(table), cache).cache
     token, lengths = jnp.asarray([[7]], jnp.int32), jnp.asarray([6], jnp.int32)
     out = forward(weights, CFG, token, lengths[:, None], jnp.ones((1, 1), bool), jnp.asarray(table), cache)
-    logits, k_pages, v_pages = decode_stacked(weights, stack_layers(CFG, weights.layers), CFG, token, lengths,
+    logits, k_pages, v_pages = decode_stacked(weights, stack_layers(CFG, weights.layers, tiles=False), CFG, token, lengths,
                                               jnp.asarray(table), stack_pages(cache.k), stack_pages(cache.v), PAGE,
                                               backend="reference")
     np.testing.assert_allclose(np.asarray(logits), np.asarray(out.logits[:, 0]), rtol=2e-4, atol=2e-4)

@@ -169,26 +169,26 @@ def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
 def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, trial: str = "",
                products: str = "s8", convert: bool = False, prefetch: int = 0, split: int = 1, split_inputs: int = 4,
                numerics: bool = False, attention: str = "stand-in", page_size: int = 16, pool: int = 64,
-               eps: float = 1e-5):
-    """(weights [layers · n, k] int8 for qkv, wo, gate_up, down; K/V [layers · kv heads · steps · 128, 256] int8;
-    without `convert`, stand-in B [8, k] int8 for each phase) -> each phase's float32 output [layers, 8, n]
-    (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound): "no-deps" leaves out the waits
-    for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for its reduce-add to
-    land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead); "stale-deps" polls the
-    same counts for what the call before reached (the polls' cost without the waiting). Right outputs, other ways to
+               eps: float = 1e-5, weight_tiles: bool = False):
+    """(weights [layers · n, k] int8 for qkv, wo, gate_up, down (`weight_tiles`: reference.stack_layers' tiles
+    [layers · n / 128 · k / 256, 128, 256] as rows of 256, so that a unit's copy reads 32 KB of contiguous bytes);
+    K/V [layers · kv heads · steps · 128, 256] int8; without `convert`, stand-in B [8, k] int8 for each phase) ->
+    each phase's float32 output [layers, 8, n] (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound):
+    "no-deps" leaves out the waits for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for
+    its reduce-add to land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead); "stale-deps"
+    polls the same counts for what the call before reached (the polls' cost without the waiting). Right outputs, other ways to
     wait: "poll-all" reads a unit's counts at once (again until all are reached) instead of one wait after another;
-    "x-warpgroup" moves the activations' waits and copies to a warpgroup of their own, so the weights' copies never
-    wait on them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads
-    instead of a copy by the producer through the SM's copy engine (where it queues behind the weights' copies);
-    "no-split" (with s8 `convert`) has the converter leave the parts as they were (wrong: the split's cost).
-    With `numerics`, each leaves one part of them out (wrong, the part's cost): "no-gain" the gains and squares in
-    the split (and their copies), "no-scale" the scales' copies and multiplies, "no-residual" the residual stream,
-    "no-new" (with real attention) the new token's K/V: not written, not attended; "no-fold" written, not attended;
-    "no-write" attended, not written. "per-layer" (right outputs): each layer's weights and (real attention) K and V
-    pages are arrays of their own, as the engine holds them (a weight [n, k], a pool [kv heads · pool · page, hd]),
-    each copy choosing its layer's array by a tree of branches on the layer, instead of one array of every layer.
-    "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around every copy and store, which the
-    kernel otherwise leaves out (see its compiler_params).
+    "x-warpgroup" moves the activations' waits and copies to a warpgroup of their own, so the weights' copies never wait on
+    them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads instead of a
+    copy by the producer through the SM's copy engine (where it queues behind the weights' copies); "no-split" (with s8
+    `convert`) has the converter leave the parts as they were (wrong: the split's cost). With `numerics`, each leaves one part
+    of them out (wrong, the part's cost): "no-gain" the gains and squares in the split (and their copies), "no-scale" the
+    scales' copies and multiplies, "no-residual" the residual stream, "no-new" (with real attention) the new token's K/V: not
+    written, not attended; "no-fold" written, not attended; "no-write" attended, not written. "per-layer" (right outputs):
+    each layer's weights and (real attention) K and V pages are arrays of their own, as the engine holds them (a weight [n,
+    k], a pool [kv heads · pool · page, hd]), each copy choosing its layer's array by a tree of branches on the layer, instead
+    of one array of every layer. "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around every copy and
+    store, which the kernel otherwise leaves out (see its compiler_params).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -641,8 +641,11 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                 def src(array, first):
                     if ph.stream_k:
-                        return fn(array.at[pl.ds((layer - first) * ph.n + (ph.tile0 + lax.div(u, ph.steps)) * BLOCK_N,
-                                                 BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)])
+                        tile = (layer - first) * (ph.n // BLOCK_N) + ph.tile0 + lax.div(u, ph.steps)
+                        if weight_tiles:  # [128, 256] tiles, a tile's inputs in steps: 32 KB of contiguous bytes
+                            step = ph.step0 + lax.rem(u, ph.steps)
+                            return fn(array.at[pl.ds((tile * (ph.k // BLOCK_K) + step) * BLOCK_N, BLOCK_N)])
+                        return fn(array.at[pl.ds(tile * BLOCK_N, BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)])
                     kv_head = lax.div(p, group)
                     return fn(array.at[pl.ds((((layer - first) * cfg.num_kv_heads + kv_head) * ph.steps
                                               + lax.rem(u, ph.steps)) * BLOCK_N, BLOCK_N)])
@@ -1024,14 +1027,15 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"{k_pages.shape[0]} page rows are not {layers} layers of {kvh} KV heads' pools of "
                          f"{page_size}-position pages")
     pool = k_pages.shape[0] // (layers * kvh * page_size)
+    weight_tiles = st.values[0].ndim == 3  # (stack_layers' tiles; 2-D: row-major, its tiles=False)
     kernel, phases = megakernel(cfg, layers, programs, stages=2, out_rows=1, trial=trial, products="s8", convert=True,
                                 numerics=True, attention="real", page_size=page_size, pool=pool,
-                                eps=cfg.rms_norm_eps)
+                                eps=cfg.rms_norm_eps, weight_tiles=weight_tiles)
     angles = lengths[0].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # RoPE at the new position
     cos_sin = jnp.broadcast_to(jnp.concatenate([jnp.cos(angles), jnp.sin(angles)]), (COLS, hd))
     x0 = jnp.pad(x.astype(jnp.float32), ((0, COLS - 1), (0, 0)))
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)  # written in place: the new token's K and V
-    outs = kernel(*st.values, k_ref, v_ref, st.gains,
+    outs = kernel(*(v.reshape(-1, v.shape[-1]) for v in st.values), k_ref, v_ref, st.gains,
                   *st.scales, cos_sin, x0, page_table[0].astype(jnp.int32), lengths.astype(jnp.int32))
     h = outs[len(ORDER) - 1][layers - 1, :1]  # the last layer's down sums with the residual: h2
     return h, jax.freeze(k_ref), jax.freeze(v_ref)

@@ -5,7 +5,9 @@ Stacked, so that a kernel looping over the layers on the chip reads every layer 
 - each int8 product [layers · n, k] (per-channel scales [layers · n]), a layer's rows in the order the kernel's
   phases read them: qkv by KV head (its query heads, its key, its value: the served `wqkv` order), and gate_up in
   blocks of 128 channels, their gate rows then their up rows (a 128-row tile of sums is then all gate or all up,
-  and the down phase's converter reads a channel's gate and up 128 columns apart);
+  and the down phase's converter reads a channel's gate and up 128 columns apart); held as the kernel's tiles,
+  [layers · n / 128 · k / 256, 128, 256] (a layer's row tiles, each's input steps, in order), so that each of the
+  kernel's weight copies reads 32 KB of contiguous bytes (`tiles=False`: [layers · n, k], row-major);
 - the norms' gains [layers, 2, d] (attention's, the MLP's);
 - K and V pages [layers · kv_heads · pool · page_size, head_dim], a (layer, KV head)'s pool contiguous.
 
@@ -28,13 +30,14 @@ import numpy as np
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
 BLOCK = 128  # gate_up's channels a block (the kernel's tile of output rows)
+TILE = (BLOCK, 256)  # a weight tile: the kernel's output rows and inputs a step
 PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 class StackedLayers(NamedTuple):
     """A model's decoder layers, stacked (see the module docstring)."""
 
-    values: tuple  # int8 [layers · n, k] for each of PRODUCTS
+    values: tuple  # int8 [layers · n / TILE[0] · k / TILE[1], *TILE] (or [layers · n, k]) for each of PRODUCTS
     scales: tuple  # float32 [layers · n] for each of PRODUCTS
     gains: jax.Array  # float32 [layers, 2, d]
 
@@ -46,10 +49,23 @@ def _blocked_gate_up(a: jax.Array) -> jax.Array:
     return a.reshape(ffn // BLOCK, BLOCK, 2, *a.shape[2:]).swapaxes(1, 2).reshape(2 * ffn, *a.shape[2:])
 
 
-def stack_layers(cfg: Any, layers: Sequence[Any]) -> StackedLayers:
+def to_tiles(w: jax.Array) -> jax.Array:
+    """[n, k] -> [n / TILE[0] · k / TILE[1], *TILE]: row tiles in order, each's input steps in order."""
+    (n, k), (bn, bk) = w.shape, TILE
+    return w.reshape(n // bn, bn, k // bk, bk).swapaxes(1, 2).reshape(-1, bn, bk)
+
+
+def from_tiles(w: jax.Array, n: int) -> jax.Array:
+    """to_tiles' inverse for n rows."""
+    bn, bk = TILE
+    return w.reshape(n // bn, -1, bn, bk).swapaxes(1, 2).reshape(n, -1)
+
+
+def stack_layers(cfg: Any, layers: Sequence[Any], tiles: bool = True) -> StackedLayers:
     """The layers of int8 weights (jaxserve.model.quant.QuantizedArray, one scale a channel) stacked, where the
-    weights are (on their device). Raises ValueError naming what the megakernel does not take: float or grouped
-    weights, biases, an ffn not in blocks of BLOCK channels."""
+    weights are (on their device), as the kernel's tiles (`tiles=False`: row-major). Raises ValueError naming what
+    the megakernel does not take: float or grouped weights, biases, an ffn not in blocks of BLOCK channels, a
+    product not of whole tiles."""
     if cfg.intermediate_size % BLOCK:
         raise ValueError(f"the megakernel takes gate_up in blocks of {BLOCK} channels: intermediate_size="
                          f"{cfg.intermediate_size} is not a multiple of {BLOCK}")
@@ -69,7 +85,11 @@ def stack_layers(cfg: Any, layers: Sequence[Any]) -> StackedLayers:
             if name == "w_gate_up":
                 v, s = _blocked_gate_up(v), _blocked_gate_up(s)
             k = int(np.prod(v.shape[v.ndim - w.in_ndim:]))
-            values[name].append(v.reshape(-1, k))
+            v = v.reshape(-1, k)
+            if tiles and (v.shape[0] % TILE[0] or k % TILE[1]):
+                raise ValueError(f"the megakernel's weight tiles are {list(TILE)}: layer {i}'s {name} is "
+                                 f"{list(v.shape)}")
+            values[name].append(to_tiles(v) if tiles else v)
             scales[name].append(s.reshape(-1).astype(jnp.float32))
         gains.append(jnp.stack([jnp.asarray(layer.attn_norm, jnp.float32), jnp.asarray(layer.mlp_norm, jnp.float32)]))
     return StackedLayers(tuple(jnp.concatenate(values[n]) for n in PRODUCTS),
@@ -105,12 +125,14 @@ def decode_layers(cfg: Any, st: StackedLayers, x: jax.Array, k_pages: jax.Array,
     shape5 = (layers, kvh, pool, page_size, hd)  # a layer's [kv_heads, pool, page, hd]: the engine's pool's layout
     rows = x.shape[0]
     eps = cfg.rms_norm_eps
-    sizes = {name: v.shape[0] // layers for name, v in zip(PRODUCTS, st.values)}
+    sizes = {name: s.shape[0] // layers for name, s in zip(PRODUCTS, st.scales)}
 
     def product(name, layer, a, gain=None):
         values, scales = st.values[PRODUCTS.index(name)], st.scales[PRODUCTS.index(name)]
         n = sizes[name]
-        w = jax.lax.dynamic_slice_in_dim(values, layer * n, n).astype(jnp.float32)
+        per_layer = values.shape[0] // layers  # rows, or tiles
+        w = jax.lax.dynamic_slice_in_dim(values, layer * per_layer, per_layer)
+        w = (from_tiles(w, n) if w.ndim == 3 else w).astype(jnp.float32)
         s = jax.lax.dynamic_slice_in_dim(scales, layer * n, n)
         y = (a if gain is None else a * gain) @ w.T * s
         if gain is not None:  # a normed product: its input row's 1/rms on the output
