@@ -73,6 +73,9 @@ def main() -> None:
     ap.add_argument("--trial", action="append", default=[],
                     help="also check and time the megakernel with this trial (e.g. auto-barriers; or row-major: "
                          "the layers stacked row-major, not as tiles); repeatable")
+    ap.add_argument("--trial-pages", default="16,128",
+                    help="page sizes the trials run at (at 16 a trial is checked against the served int8 step, at "
+                         "128 against the kernel without it, on the same fresh pages)")
     ap.add_argument("--hlo", action="store_true", help="print the megakernel step's compiled operations")
     ap.add_argument("--profile", action="store_true",
                     help="after the timings, where 20 megakernel steps (128-position pages) spend the device's time")
@@ -125,8 +128,9 @@ def main() -> None:
     big_table = jnp.arange(pool, dtype=jnp.int32)[None]
     trials = ["", *args.trial]
     mk = {(page_size, ""): (table, tuple(pages))}  # (page size, trial) -> (table, pages)
+    trial_sizes = [int(n) for n in args.trial_pages.split(",")]
     for trial in trials:
-        for size in (page_size, big):
+        for size in (page_size, big) if not trial else [n for n in (page_size, big) if n in trial_sizes]:
             if (size, trial) not in mk:
                 fns[size, trial] = megakernel_step(cfg, size, trial)
                 if size == page_size:  # a trial's outputs checked as the kernel's were
@@ -144,10 +148,20 @@ def main() -> None:
                 fn = fns.get((size, trial), fns.get(size))
                 print_ops(fn.lower(int8_weights, layers_of(trial), tokens, lengths, *mk[size, trial][0:1], *mk[size, trial][1]))
     fns[page_size, ""] = fns.pop(page_size)
+    first_logits = {}
     for key in mk:  # once each, compiled
         table_, pages_ = mk[key]
-        *_, k_pages, v_pages = fns[key](int8_weights, layers_of(key[1]), tokens, lengths, table_, *pages_)
+        _, _, first_logits[key], k_pages, v_pages = fns[key](int8_weights, layers_of(key[1]), tokens, lengths, table_,
+                                                             *pages_)
         mk[key] = (table_, (k_pages, v_pages))
+    for key in mk:  # a trial at 128-position pages against the kernel without it, both on fresh pages
+        if key[0] == big and key[1]:
+            want, got = (np.asarray(first_logits[k][0], np.float64) for k in ((big, ""), key))
+            trial_error = float(np.abs(got - want).max() / np.abs(want).max())
+            print(f"trial {key[1]} at {big}-position pages: logits against the kernel's without it: largest error "
+                  f"{trial_error:.2e} of the largest", flush=True)
+            if not trial_error < 1e-2:
+                raise SystemExit(f"trial {key[1]}: its logits are not the kernel's")
 
     states = {"bfloat16": bf16[1], "int8": int8[1]}
     weights = {"bfloat16": bf16_weights, "int8": int8_weights}
