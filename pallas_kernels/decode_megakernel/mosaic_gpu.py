@@ -130,39 +130,10 @@ class Phase:
     step0: int = 0
     rotate: int = 0  # program p takes the stream-K run of program (p + rotate) mod programs: each block of a phase
     # turns its runs so that a program's longer runs in one block are evened out by shorter ones in the others
-    lead: tuple[int, int] = (0, 0)  # (L, A), L > 0: programs 0..L-1 (attention's) take A units each, the others
-    # share the rest evenly (rotate unused)
 
     @property
     def units(self) -> int:
         return self.tiles * self.steps
-
-    def begin(self, v, programs: int):
-        """The first unit of program v's run (v a Python int or traced; v = programs: the end)."""
-        lead, share = self.lead
-        if not lead:
-            return v * self.units // programs if isinstance(v, int) else lax.div(v * self.units, programs)
-        rest = self.units - lead * share
-        if isinstance(v, int):
-            return v * share if v < lead else lead * share + (v - lead) * rest // (programs - lead)
-        return jnp.where(v < lead, v * share, lead * share + lax.div((v - lead) * rest, programs - lead))
-
-    def holder(self, count, programs: int):
-        """The program whose run holds the count-th unit (1-based; traced)."""
-        lead, share = self.lead
-        if not lead:
-            return qmm_gpu.stream_k_holder(count, self.units, programs)
-        later = lead + qmm_gpu.stream_k_holder(count - lead * share, self.units - lead * share, programs - lead)
-        return later if not share else jnp.where(count <= lead * share, lax.div(count - 1, share), later)
-
-    def with_lead(self, lead: int, share: int, programs: int) -> Phase:
-        """This block with programs 0..lead-1 taking `share` units each (see `lead`)."""
-        if not 0 <= lead * share <= self.units:
-            raise ValueError(f"{lead} programs of {share} units: more than {self.name}'s {self.units}")
-        ph = dataclasses.replace(self, lead=(lead, share), rotate=0)
-        bounds = [ph.begin(v, programs) for v in range(programs + 1)]
-        fragments = max((b - 1) // self.steps - a // self.steps + 1 for a, b in zip(bounds, bounds[1:]) if b > a)
-        return dataclasses.replace(ph, fragments=fragments)
 
 
 def plan(cfg, programs: int, split: int = 1, names=ORDER) -> tuple[Phase, ...]:
@@ -255,9 +226,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     ceil(length / 128) blocks, each as page_size-position TMA copies on kv_bar, scores past the length masked and
     the last block's V rows past it zeroed. Not done (for the served kernel): rows past 1, each with its pages."""
     trials = set(filter(None, trial.split(",")))
-    wo_share = [t for t in trials if t.startswith("wo-share-")]  # "wo-share-A": attention's programs take A of
-    # wo's units each, the others share the rest (see Phase.lead)
-    trials -= set(wo_share)
     unknown = trials - set(TRIALS)
     if unknown:
         raise ValueError(f"unknown trials {sorted(unknown)}; known: {', '.join(TRIALS)}")
@@ -305,11 +273,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     new_token = full and "no-new" not in trials  # the step's own K/V: written to its page, folded into attention
     fold, write = new_token and "no-fold" not in trials, writes_new_token(numerics, attention, trials)
     phases = plan(cfg, programs, split, names)
-    if wo_share:
-        if split != 1 or "attn" not in names:
-            raise ValueError("wo-share is for split 1 with attention")
-        phases = tuple(ph.with_lead(cfg.num_heads, int(wo_share[0].removeprefix("wo-share-")), programs)
-                       if ph.name == "wo" else ph for ph in phases)
     short = [ph for ph in phases if ph.name == "w_gate_up" and ph.units // programs < ph.steps]
     if numerics and short:
         raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
@@ -325,7 +288,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         ph = phases[j]
         if ph.stream_k:
             v = lax.rem(p + ph.rotate, programs)
-            return ph.begin(v, programs), ph.begin(v + 1, programs)
+            return lax.div(v * ph.units, programs), lax.div((v + 1) * ph.units, programs)
         return jnp.minimum(p, ph.tiles) * att_units, jnp.minimum(p + 1, ph.tiles) * att_units
 
     def pieces(out, tile):  # the signals that complete a tile of phase out: two warpgroups a program holding a piece
@@ -336,8 +299,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             if not ph.stream_k:
                 return 2
             t = jnp.clip(tile - ph.tile0, 0, ph.tiles - 1)  # in the block, if it is one of the block's tiles
-            first = ph.holder(t * ph.steps + 1, programs)
-            held = ph.holder((t + 1) * ph.steps, programs) - first + 1
+            first = qmm_gpu.stream_k_holder(t * ph.steps + 1, ph.units, programs)
+            held = qmm_gpu.stream_k_holder((t + 1) * ph.steps, ph.units, programs) - first + 1
             if ph.units <= programs:  # a unit a program at most, and some programs none (the range would count them)
                 held = ph.steps
             total = total + jnp.where((tile >= ph.tile0) & (tile < ph.tile0 + ph.tiles), 2 * held, 0)
