@@ -188,7 +188,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     each layer's weights and (real attention) K and V pages are arrays of their own, as the engine holds them (a weight [n,
     k], a pool [kv heads · pool · page, hd]), each copy choosing its layer's array by a tree of branches on the layer, instead
     of one array of every layer. "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around every copy and
-    store, which the kernel otherwise leaves out (see its compiler_params).
+    store, which the kernel otherwise leaves out (see its compiler_params). "split-attn" (right outputs; numerics with
+    real attention): a head's K/V blocks on two programs (flash-decoding), so that each holds at most the ring's two
+    slots of them at 256 positions, the halves' outputs combined by wo's converter.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -253,7 +255,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
     full = numerics and real_attention  # the whole of a decode layer's numerics (see the docstring)
     split_attn = "split-attn" in trials
-    if split_attn and not (full and 2 * cfg.num_heads <= programs):
+    if split_attn and not (full and 2 * cfg.num_heads <= programs and "no-attn" not in trials):
         raise ValueError(f"split-attn is for numerics with real attention and 2 · num_heads <= programs ({programs}), "
                          f"got num_heads={cfg.num_heads}")
     S = 2 if split_attn else 1  # programs a head's attention runs on
@@ -834,7 +836,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             score = score - jnp.where(half == 0, 0.0, jnp.inf)  # (a scalar, as `length` below)
                         m_new = jnp.maximum(m, score)
                         alpha, p_new = jnp.exp2(m - m_new), jnp.exp2(score - m_new)
-                        denom = denom * alpha + p_new
+                        denom, m = denom * alpha + p_new, m_new  # (m: split-attn's log2-sum-exp reads it)
                         halves = [h * lax.broadcast_in_dim(alpha, h.shape, [1])
                                   + folded(2, at) * lax.broadcast_in_dim(p_new, h.shape, [1])
                                   for at, h in zip(ats, halves)]
