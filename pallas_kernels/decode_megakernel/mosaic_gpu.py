@@ -173,22 +173,23 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     """(weights [layers · n, k] int8 for qkv, wo, gate_up, down (`weight_tiles`: reference.stack_layers' tiles
     [layers · n / 128 · k / 256, 128, 256] as rows of 256, so that a unit's copy reads 32 KB of contiguous bytes);
     K/V [layers · kv heads · steps · 128, 256] int8; without `convert`, stand-in B [8, k] int8 for each phase) ->
-    each phase's float32 output [layers, 8, n] (rows :out_rows written). Trials (comma-joined; outputs wrong, time a bound):
-    "no-deps" leaves out the waits for the tiles a unit's inputs come from; "no-store-wait" counts a piece without waiting for
-    its reduce-add to land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles instead); "stale-deps"
-    polls the same counts for what the call before reached (the polls' cost without the waiting). Right outputs, other ways to
-    wait: "poll-all" reads a unit's counts at once (again until all are reached) instead of one wait after another;
-    "x-warpgroup" moves the activations' waits and copies to a warpgroup of their own, so the weights' copies never wait on
-    them; "x-load" (with `convert`) has the converter wait and read the sums from global memory by its own loads instead of a
-    copy by the producer through the SM's copy engine (where it queues behind the weights' copies); "no-split" (with s8
-    `convert`) has the converter leave the parts as they were (wrong: the split's cost). With `numerics`, each leaves one part
-    of them out (wrong, the part's cost): "no-gain" the gains and squares in the split (and their copies), "no-scale" the
-    scales' copies and multiplies, "no-residual" the residual stream, "no-new" (with real attention) the new token's K/V: not
-    written, not attended; "no-fold" written, not attended; "no-write" attended, not written. "per-layer" (right outputs):
-    each layer's weights and (real attention) K and V pages are arrays of their own, as the engine holds them (a weight [n,
-    k], a pool [kv heads · pool · page, hd]), each copy choosing its layer's array by a tree of branches on the layer, instead
-    of one array of every layer. "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around every copy and
-    store, which the kernel otherwise leaves out (see its compiler_params).
+    each phase's float32 output [layers, 8, n] (rows :out_rows written). Trials (comma-joined; outputs wrong, time
+    a bound): "no-deps" leaves out the waits for the tiles a unit's inputs come from; "no-store-wait" counts a piece
+    without waiting for its reduce-add to land; "no-attn" leaves out the attention phase (wo waits for qkv's first tiles
+    instead); "stale-deps" polls the same counts for what the call before reached (the polls' cost without the
+    waiting). Right outputs, other ways to wait: "poll-all" reads a unit's counts at once (again until all are
+    reached) instead of one wait after another; "x-warpgroup" moves the activations' waits and copies to a warpgroup
+    of their own, so the weights' copies never wait on them; "x-load" (with `convert`) has the converter wait and read
+    the sums from global memory by its own loads instead of a copy by the producer through the SM's copy engine (where
+    it queues behind the weights' copies); "no-split" (with s8 `convert`) has the converter leave the parts as they
+    were (wrong: the split's cost). With `numerics`, each leaves one part of them out (wrong, the part's cost):
+    "no-gain" the gains and squares in the split (and their copies), "no-scale" the scales' copies and multiplies,
+    "no-residual" the residual stream, "no-new" (with real attention) the new token's K/V: not written, not attended;
+    "no-fold" written, not attended; "no-write" attended, not written. "per-layer" (right outputs): each layer's
+    weights and (real attention) K and V pages are arrays of their own, as the engine holds them (a weight [n, k], a
+    pool [kv heads · pool · page, hd]), each copy choosing its layer's array by a tree of branches on the layer,
+    instead of one array of every layer. "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around
+    every copy and store, which the kernel otherwise leaves out (see its compiler_params).
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
