@@ -36,7 +36,7 @@ from jaxserve.step import _greedy  # noqa: E402  (the served step's greedy token
 from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: E402
 
 CONTEXT = 256  # tokens already cached (int8_gpu.py's)
-ROW_MAJOR = "row-major"  # not a kernel trial: the megakernel on the layers stacked row-major (stack_layers(tiles=False))
+ROW_MAJOR = "row-major"  # not a kernel trial: the megakernel on layers stacked row-major (stack_layers(tiles=False))
 
 
 def megakernel_step(cfg, page_size: int, trial: str = ""):
@@ -50,6 +50,12 @@ def megakernel_step(cfg, page_size: int, trial: str = ""):
         return token, chosen, logits, k_pages, v_pages
 
     return jax.jit(step, donate_argnums=(5, 6))
+
+
+def relative_error(got, want) -> float:
+    """The largest difference of two logit rows, relative to `want`'s largest magnitude."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def time_megakernel(fn, args, pages, steps: int) -> tuple[float, tuple]:
@@ -110,9 +116,8 @@ def main() -> None:
         t0 = time.perf_counter()
         token, _, logits, *pages = fn(int8_weights, layers_of(trial), tokens, lengths, table, *pages)
         print(f"{name} compiled and run in {time.perf_counter() - t0:.0f} s", flush=True)
-        want, got = np.asarray(served_logits[0], np.float64), np.asarray(logits[0], np.float64)
-        error = float(np.abs(got - want).max() / np.abs(want).max())
-        agree = int(token[0]) == int(np.argmax(want))
+        error = relative_error(logits[0], served_logits[0])
+        agree = int(token[0]) == int(np.argmax(np.asarray(served_logits[0])))
         print(f"{name}: logits against the served int8 step's: largest error {error:.2e} of the largest; greedy "
               f"token {'the same' if agree else 'differs'}", flush=True)
         if not error < 5e-2:
@@ -150,7 +155,8 @@ def main() -> None:
                     mk[size, trial] = (big_table, big_pages())
             if args.hlo and size == big:
                 fn = fns.get((size, trial), fns.get(size))
-                print_ops(fn.lower(int8_weights, layers_of(trial), tokens, lengths, *mk[size, trial][0:1], *mk[size, trial][1]))
+                print_ops(fn.lower(int8_weights, layers_of(trial), tokens, lengths, *mk[size, trial][0:1],
+                                   *mk[size, trial][1]))
     fns[page_size, ""] = fns.pop(page_size)
     first_logits = {}
     for key in mk:  # once each, compiled
@@ -160,8 +166,7 @@ def main() -> None:
         mk[key] = (table_, (k_pages, v_pages))
     for key in mk:  # a trial at 128-position pages against the kernel without it, both on the same random pages
         if key[0] == big and key[1]:
-            want, got = (np.asarray(first_logits[k][0], np.float64) for k in ((big, ""), key))
-            trial_error = float(np.abs(got - want).max() / np.abs(want).max())
+            trial_error = relative_error(first_logits[key][0], first_logits[big, ""][0])
             print(f"trial {key[1]} at {big}-position pages: logits against the kernel's without it: largest error "
                   f"{trial_error:.2e} of the largest", flush=True)
             if not trial_error < 1e-2:
