@@ -172,14 +172,11 @@ def test_megakernel_names_the_models_and_pages_it_does_not_take(smollm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length,page_size,tiles,trial", [(200, 16, True, ""), (256, 128, True, ""),
-                                                         (256, 128, False, ""), (100, 16, True, "split-attn"),
-                                                         (200, 128, True, "split-attn")])
-def test_megakernel_is_the_reference_on_the_gpu(length, page_size, tiles, trial):
+@pytest.mark.parametrize("length,page_size,tiles", [(200, 16, True), (256, 128, True), (256, 128, False)])
+def test_megakernel_is_the_reference_on_the_gpu(length, page_size, tiles):
     """Two 8B-shaped layers by the kernel and by reference.decode_layers, on random int8 weights and pages: the
     layers' output and every K/V page (the new token's written) agree; a partial last block at 200 positions; the
-    weights as stack_layers' tiles or row-major; with the trial split-attn (a head's blocks on two programs) at one
-    block (the second program has none) and two."""
+    weights as stack_layers' tiles or row-major."""
     from pallas_kernels.decode_megakernel import mosaic_gpu, reference
 
     assert jax.default_backend() == "gpu"
@@ -189,7 +186,7 @@ def test_megakernel_is_the_reference_on_the_gpu(length, page_size, tiles, trial)
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda *a: reference.decode_layers(cfg, *a, inv_freq, page_size))(
             st, x, k_pages, v_pages, table, lengths)
-    got = jax.jit(lambda *a: mosaic_gpu.decode_layers(cfg, *a, inv_freq, page_size, trial=trial))(
+    got = jax.jit(lambda *a: mosaic_gpu.decode_layers(cfg, *a, inv_freq, page_size))(
         st, x, k_pages, v_pages, table, lengths)
     for name, g, w in zip(("h", "K pages", "V pages"), got, want):
         g, w = np.asarray(g, np.float64), np.asarray(jnp.asarray(w, jnp.float32), np.float64)

@@ -37,7 +37,7 @@ CONTEXT = 256  # positions of K and V an attention head streams (the decode benc
 ORDER = ("wqkv", "attn", "wo", "w_gate_up", "w_down")  # a layer's phases in a decode step's order
 TRIALS = ("no-deps", "no-store-wait", "no-attn", "stale-deps", "poll-all", "x-warpgroup", "x-load",
           "no-split", "no-gain", "no-scale", "no-residual", "no-new", "no-fold", "no-write",
-          "auto-barriers", "per-layer", "split-attn")  # see megakernel
+          "auto-barriers", "per-layer")  # see megakernel
 PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with weights, in that order
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
@@ -190,9 +190,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     pool [kv heads · pool · page, hd]), each copy choosing its layer's array by a tree of branches on the layer,
     instead of one array of every layer. "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around
     every copy and store, which the kernel otherwise leaves out (see its compiler_params).
-    "split-attn" (right outputs; numerics with real attention): a head's K/V blocks on two programs
-    (flash-decoding), so that each holds at most the ring's two slots of them at 256 positions, the halves' outputs
-    combined by wo's converter.
     `products`: "s8" (int8
     wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
@@ -256,11 +253,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     if trials & {"no-gain", "no-scale", "no-residual"} and not numerics:
         raise ValueError("no-gain, no-scale and no-residual leave out a part of --numerics: give it")
     full = numerics and real_attention  # the whole of a decode layer's numerics (see the docstring)
-    split_attn = "split-attn" in trials
-    if split_attn and not (full and 2 * cfg.num_heads <= programs and "no-attn" not in trials):
-        raise ValueError(f"split-attn is for numerics with real attention and 2 · num_heads <= programs ({programs}), "
-                         f"got num_heads={cfg.num_heads}")
-    S = 2 if split_attn else 1  # programs a head's attention runs on
     if numerics and real_attention and "no-new" not in trials and stages > 2:
         raise ValueError(f"numerics with real attention needs stages <= 2 (at 3 its shared memory is ~240 KB of the "
                          f"H100's 227 KB a block; without the new token's fold tiles it fits), got {stages}")
@@ -287,8 +279,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError(f"numerics sums a row's squares over a program's first {short[0].steps} gate_up units: runs "
                          f"of {short[0].units // programs} units at {programs} programs are shorter")
     group = cfg.num_heads // cfg.num_kv_heads
-    widths = [next(ph.n for ph in phases if ph.out == out) * (S if name == "attn" else 1)
-              for out, name in enumerate(names)]  # each phase's outputs (split-attn: each half's, side by side)
+    widths = [next(ph.n for ph in phases if ph.out == out) for out in range(len(names))]  # each phase's outputs
     tiles_of = [cfg.num_heads if name == "attn" else w // BLOCK_N for name, w in zip(names, widths)]
     offsets = [sum(tiles_of[:out]) for out in range(len(names))]  # of each phase's tiles in a layer's counts
     per_layer_tiles = sum(tiles_of)
@@ -299,8 +290,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         if ph.stream_k:
             v = lax.rem(p + ph.rotate, programs)
             return lax.div(v * ph.units, programs), lax.div((v + 1) * ph.units, programs)
-        if split_attn:  # (att_units: this program's)
-            return 0, jnp.where(p < S * ph.tiles, att_units, 0)
         return jnp.minimum(p, ph.tiles) * att_units, jnp.minimum(p + 1, ph.tiles) * att_units
 
     def pieces(out, tile):  # the signals that complete a tile of phase out: two warpgroups a program holding a piece
@@ -309,7 +298,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             if ph.out != out:
                 continue
             if not ph.stream_k:
-                return 2 * S  # (split-attn: a half with no blocks signals too)
+                return 2
             t = jnp.clip(tile - ph.tile0, 0, ph.tiles - 1)  # in the block, if it is one of the block's tiles
             first = qmm_gpu.stream_k_holder(t * ph.steps + 1, ph.units, programs)
             held = qmm_gpu.stream_k_holder((t + 1) * ph.steps, ph.units, programs) - first + 1
@@ -350,11 +339,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         o_refs, (sqg_ref,) = take(last + 1), take(1)
         (ring, x_smem, o_smem, z_smem, tile_bar, free_bar, xs_smem, stage_bar, e_smem, raw_smem, g_smem,
          sq_smem, sc_smem, sc_bar, q_smem, p_smem, ao_smem, res_smem, res_bar, att_bar, rs_smem, knew_smem,
-         vnew_smem, fold_smem, kv_bar, fold_bar, lse_bar) = list(at)
+         vnew_smem, fold_smem, kv_bar, fold_bar) = list(at)
         kv_ref = kv_refs[0]  # the stand-in's K/V bytes, or (real) the K pages; kv_refs[1] the V pages
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
-        head, half = lax.div(p, S), lax.rem(p, S)  # attention's head and (split-attn) which of its blocks
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
         # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
         # counts the calls; every warpgroup reads it at its start, and program 0 adds one only once every compute
@@ -369,13 +357,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         epoch = pl.semaphore_read(calls) + 1
         length = len_ref[0] if real_attention else CONTEXT  # the positions in the cache (the new token's is next)
         blocks = lax.div(length + BLOCK_N - 1, BLOCK_N)  # K (and V) blocks of 128 positions a head reads
-        # split-attn: a head's blocks on two programs, the first half (rounded up) on half 0, which also folds the
-        # new token in and writes it; each half's output normalised, with its log2-sum-exp beside it, for wo's
-        # converter to combine (half 1 has no blocks below 129 positions: it only signals, and wo takes half 0's)
-        b0 = lax.div(blocks + 1, 2)
-        first_blk = jnp.where(half == 0, 0, b0) if split_attn else 0
-        my_blocks = jnp.where(half == 0, b0, blocks - b0) if split_attn else blocks
-        att_units = 2 * my_blocks if real_attention else next((ph.steps for ph in phases if ph.name == "attn"), 0)
+        att_units = 2 * blocks if real_attention else next((ph.steps for ph in phases if ph.name == "attn"), 0)
         runs = [run_of(j, p, att_units) for j in range(count)]
         holders = lax.div(pieces(0, 0), 2)  # programs holding a unit of qkv's tile 0
         bases, base = [], 0
@@ -409,7 +391,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             src_j = ph.out - 1 if ph.out else last
             src_layer = layer if ph.out else jnp.where(layer > 0, layer - 1, layers - 1)
             width = 2 * BLOCK_K if ph.name == "w_down" else BLOCK_K  # down: its inputs' gate and up sums
-            col = 2 * k_at if ph.name == "w_down" else (qkv_tiles(cfg, head)[0] * BLOCK_N if not ph.stream_k else k_at)
+            col = 2 * k_at if ph.name == "w_down" else (qkv_tiles(cfg, p)[0] * BLOCK_N if not ph.stream_k else k_at)
             return src_j, src_layer, col, width
 
         def copy_layer_input(layer, cols, dst, barrier):  # the layer's input [out_rows, cols]: the step's x0 for
@@ -431,7 +413,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             @pl.when(first_sight & ((layer > 0) | (ph.out > 0)) & ("no-deps" not in trials))
             def _():
                 src_layer = layer - 1 if ph.out == 0 else layer
-                waits = [count_of(src_layer, src_j, tile) for src_j, tile in sources(j, head, k_at)]
+                waits = [count_of(src_layer, src_j, tile) for src_j, tile in sources(j, p, k_at)]
                 if "poll-all" in trials:  # every count read at once, again until all are reached
                     def short(_):
                         return functools.reduce(jnp.logical_or, [pl.semaphore_read(s) < n for s, n in waits])
@@ -461,7 +443,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                             xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(BLOCK_K, cfg.head_dim)],
                                             stage_bar.at[slot])
                     if full:  # its kv head's k and v sums beside q and cos | sin, and the layer input's squares
-                        for at, tile in zip((cfg.head_dim, BLOCK_K + cfg.head_dim), qkv_tiles(cfg, head)[1:]):
+                        for at, tile in zip((cfg.head_dim, BLOCK_K + cfg.head_dim), qkv_tiles(cfg, p)[1:]):
                             plgpu.copy_gmem_to_smem(
                                 o_refs[src_j].at[src_layer, pl.ds(0, out_rows), pl.ds(tile * BLOCK_N, cfg.head_dim)],
                                 xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, cfg.head_dim)], att_bar)
@@ -469,17 +451,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             plgpu.semaphore_wait(squared.at[layer], epoch * holders, decrement=False,
                                                  memory_scope="gpu")
                         plgpu.copy_gmem_to_smem(sqg_ref.at[layer, pl.ds(0, rs_smem.shape[0])], rs_smem, att_bar)
-                return
-            if split_attn and phases[j].name == "wo":  # each half's outputs of the unit's two heads (row 0) on
-                # stage_bar and log2-sum-exps (row 1) on lse_bar, the halves side by side; below 129 positions half 1
-                # has no blocks and half 0's are staged twice (the combine of two equal halves is the half)
-                second = jnp.where(blocks > 1, 1, 0)
-                for r, bar in ((0, stage_bar), (1, lse_bar)):
-                    for i, half_i in enumerate((0, second)):
-                        plgpu.copy_gmem_to_smem(
-                            o_refs[src_j].at[src_layer, pl.ds(r, 1),
-                                             pl.ds(half_i * cfg.num_heads * cfg.head_dim + col, BLOCK_K)],
-                            xs_smem.at[slot, pl.ds(r, 1), pl.ds(i * BLOCK_K, BLOCK_K)], bar.at[slot])
                 return
             def stage(at, w):  # sums [out_rows, w] from column col + at into the staging's columns at
                 dst = xs_smem.at[slot, pl.ds(0, out_rows), pl.ds(at, w)]
@@ -572,14 +543,14 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     def _():
                         plgpu.barrier_arrive(tile_bar.at[slot])
                     if write:
-                        @pl.when((u == runs[j][1] - 1) & (lax.rem(head, group) == 0) & (half == 0))
+                        @pl.when((u == runs[j][1] - 1) & (lax.rem(p, group) == 0))
                         def _():  # the group's first head writes the new token's K and V into the next position,
                             # once its last unit is handed over (session 30 wrote at the first, before the rest's)
                             entry = jnp.minimum(lax.div(length, page_size), table_ref.shape[0] - 1)
                             page = jnp.clip(table_ref[entry], 0, pool - 1)
                             for src, pages in zip((knew_smem, vnew_smem), kv_refs):
                                 def write_row(pages, first, src=src):
-                                    row = (((layer - first) * cfg.num_kv_heads + lax.div(head, group)) * pool + page
+                                    row = (((layer - first) * cfg.num_kv_heads + lax.div(p, group)) * pool + page
                                            ) * page_size + lax.rem(length, page_size)
                                     plgpu.copy_smem_to_gmem(src.at[pl.ds(0, 1)], pages.at[pl.ds(row, 1)])
                                 with_layer(layer, pages, write_row)
@@ -595,11 +566,10 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     plgpu.commit_smem()  # (a warpgroup barrier: every thread's row before any reads them)
                 else:
                     plgpu.barrier_wait(stage_bar.at[slot])
+
                 def sums(at):
                     return xs_smem.at[slot, :, pl.ds(at, qmm_gpu.ROWS)]
-                combine = split_attn and phases[j].name == "wo"  # the halves' outputs combined, then split
-                if parts and phases[j].name != "w_down" and not combine:  # the staged sums are the activations:
-                    # split in place
+                if parts and phases[j].name != "w_down":  # the staged sums are the activations: split in place
                     if numerics and j == 0:
                         @pl.when(u == runs[0][0])
                         def _():  # a layer's first unit: its MLP's (and with `full` its qkv's) sums of squares start
@@ -643,20 +613,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                                        gate.shape, [1])
                             gate, up = gate * inv, up * inv
                         v = gate / (1.0 + jnp.exp(-gate)) * up
-                    elif combine:  # o0 and o1 weighted by their halves' sums of exp2(scores): 2^lse / (2^lse0 +
-                        # 2^lse1), the lse a number a row (row 0's in every row: only row 0 is split)
-                        if c == 0:
-                            plgpu.barrier_wait(lse_bar.at[slot])
-                        at = c * qmm_gpu.ROWS
-                        o0, o1 = _load_t(sums(at)), _load_t(sums(BLOCK_K + at))
-                        l0, l1 = (plgpu.load(xs_smem.at[slot, 1, pl.ds(i * BLOCK_K + at // BLOCK_N * BLOCK_N, COLS)],
-                                             (), layout=plgpu.Layout.WGMMA.reduce(0)) for i in range(2))
-                        top = jnp.maximum(l0, l1)
-                        w0, w1 = jnp.exp2(l0 - top), jnp.exp2(l1 - top)
-
-                        def rows(a):
-                            return lax.broadcast_in_dim(a, o0.shape, [1])
-                        v = (o0 * rows(w0) + o1 * rows(w1)) / rows(w0 + w1)
                     else:
                         v = _load_t(sums(c * qmm_gpu.ROWS))
                     if parts:  # the float32 activations, to be split
@@ -691,7 +647,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             step = ph.step0 + lax.rem(u, ph.steps)
                             return fn(array.at[pl.ds((tile * (ph.k // BLOCK_K) + step) * BLOCK_N, BLOCK_N)])
                         return fn(array.at[pl.ds(tile * BLOCK_N, BLOCK_N), pl.ds(k_of(j, u), BLOCK_K)])
-                    kv_head = lax.div(head, group)
+                    kv_head = lax.div(p, group)
                     return fn(array.at[pl.ds((((layer - first) * cfg.num_kv_heads + kv_head) * ph.steps
                                               + lax.rem(u, ph.steps)) * BLOCK_N, BLOCK_N)])
                 with_layer(layer, weight_of[ph.name] if ph.stream_k else kv_ref, src)
@@ -712,8 +668,8 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                 attention_unit = real_attention and phases[j].name == "attn"
                 if attention_unit:  # the pages' table entries read before the slot's wait, not after it (session
                     # 30: after, each block's 8 reads of global memory were on attention's path)
-                    blk, is_k = first_blk + lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
-                    base = lax.div(head, group) * pool  # (the layer's own array: per-layer)
+                    blk, is_k = lax.div(u - runs[j][0], 2), lax.rem(u - runs[j][0], 2) == 0
+                    base = lax.div(p, group) * pool  # (the layer's own array: per-layer)
                     if not per_layer_refs:
                         base = base + layer * cfg.num_kv_heads * pool
                     per_block = BLOCK_N // page_size
@@ -832,29 +788,21 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         ats = range(0, cfg.head_dim, qmm_gpu.ROWS)
                         q_k = [folded(0, at) * folded(1, at) for at in ats]
                         score = jnp.sum(functools.reduce(jnp.add, q_k), axis=0) * c  # [queries]
-                        if split_attn:  # (half 1's converter stages the same; only half 0 folds it in)
-                            score = score - jnp.where(half == 0, 0.0, jnp.inf)  # (a scalar, as `length` below)
                         m_new = jnp.maximum(m, score)
                         alpha, p_new = jnp.exp2(m - m_new), jnp.exp2(score - m_new)
-                        denom, m = denom * alpha + p_new, m_new  # (m: split-attn's log2-sum-exp reads it)
+                        denom = denom * alpha + p_new
                         halves = [h * lax.broadcast_in_dim(alpha, h.shape, [1])
                                   + folded(2, at) * lax.broadcast_in_dim(p_new, h.shape, [1])
                                   for at, h in zip(ats, halves)]
                     denom = jnp.where(denom == 0.0, 1.0, denom)
-                    cols = pl.ds((half * cfg.num_heads + head) * cfg.head_dim, cfg.head_dim)
-                    rows_out = [[h / lax.broadcast_in_dim(denom, h.shape, [1]) for h in halves]]
-                    if split_attn:  # and in row 1, each row's log2 of its sum of exp2(scores) (the max's scale)
-                        lse = with_layout(lax.broadcast_in_dim(m + jnp.log(denom) * LOG2E, halves[0].shape, [1]),
-                                          plgpu.Layout.WGMMA, interpreted=False)  # (as the halves': unpinned, layout
-                        # inference ran out of its search)
-                        rows_out.append([lse] * len(halves))
-                    for r, row_halves in enumerate(rows_out):
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), row_halves):
-                            qmm_gpu.store_transposed(h, ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)], interpreted=False)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(ao_smem.at[pl.ds(0, out_rows)],
-                                                o_refs[phases[j].out].at[layer, pl.ds(r, out_rows), cols])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for at, h in zip(range(0, cfg.head_dim, qmm_gpu.ROWS), halves):
+                        qmm_gpu.store_transposed(h / lax.broadcast_in_dim(denom, h.shape, [1]),
+                                                 ao_smem.at[:, pl.ds(at, qmm_gpu.ROWS)], interpreted=False)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(ao_smem.at[pl.ds(0, out_rows)],
+                                            o_refs[phases[j].out].at[layer, pl.ds(0, out_rows),
+                                                                     pl.ds(p * cfg.head_dim, cfg.head_dim)])
                     plgpu.wait_smem_to_gmem(0)
 
                 @pl.when(wg == 0)
@@ -869,10 +817,9 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                                       interpreted=False)
                     c = cfg.head_dim ** -0.5 * LOG2E
 
-                    def block(i, carry):
+                    def block(blk, carry):
                         m, denom, acc = carry
-                        blk = first_blk + i  # (of the head's)
-                        k_slot, v_slot = slot_of(begin + 2 * i), slot_of(begin + 2 * i + 1)
+                        k_slot, v_slot = slot_of(begin + 2 * blk), slot_of(begin + 2 * blk + 1)
                         plgpu.barrier_wait(tile_bar.at[k_slot])
                         plgpu.barrier_wait(kv_bar.at[k_slot])
                         scores = mma_transposed(k_view.at[k_slot], q_smem, interpreted=False)  # [keys, queries]
@@ -893,7 +840,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         plgpu.barrier_arrive(free_bar.at[v_slot])
                         return m, denom, acc
 
-                    m, denom, acc = lax.fori_loop(0, my_blocks, block, (m, denom, acc))
+                    m, denom, acc = lax.fori_loop(0, blocks, block, (m, denom, acc))
                     finish(m, denom, acc)
 
                 @pl.when(wg == 1)
@@ -905,7 +852,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                     lax.fori_loop(0, att_units, hand_back, None)
 
-                plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[phases[j].out] + head], 1,
+                plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[phases[j].out] + p], 1,
                                        memory_scope="gpu")
 
             def layer_body(layer, carry):
@@ -979,10 +926,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
 
                     if real_attention and ph.name == "attn":
                         pl.when(begin < end)(functools.partial(attend, layer, j, begin, g0))
-                        if split_attn:  # a half with no blocks: counted all the same (the count a call is fixed)
-                            pl.when((begin == end) & (p < S * cfg.num_heads))(lambda layer=layer, j=j: (
-                                plgpu.semaphore_signal(done.at[layer * per_layer_tiles + offsets[phases[j].out] + head],
-                                                       1, memory_scope="gpu")))
                         continue
                     first_tile = lax.div(begin, ph.steps)
                     for f in range(ph.fragments):
@@ -1041,7 +984,6 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
             plgpu.SMEM((3, 16, cfg.head_dim) if fold else (1, 1, 32), jnp.float32),  # q, k, v for the fold
             plgpu.Barrier(num_arrivals=max(1, BLOCK_N // page_size), num_barriers=stages),  # a K/V block's pages
             plgpu.Barrier(num_arrivals=1),  # the new token's key tile and v stored (the fold's)
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # (split-attn) a wo unit's log2-sum-exps staged
         ),
         grid=(programs,), grid_names=("p",), num_threads=warpgroups, thread_name="wg",
         # Without Pallas's automatic warpgroup syncs (one before each TMA copy a thread issues, one before and one
