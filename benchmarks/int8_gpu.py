@@ -40,7 +40,7 @@ from jaxserve.engine.batch import StepInput  # noqa: E402
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import linear_bytes, quantize_weights, with_backend  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
-from jaxserve.step import DeviceState, stacked_step_fn, step_fn  # noqa: E402
+from jaxserve.step import DeviceState, pack_step_input, stacked_step_fn, step_fn, unpack_step_input  # noqa: E402
 from pallas_kernels import testing  # noqa: E402
 from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: E402
 from pallas_kernels.decode_megakernel.mosaic_gpu import layer_products  # noqa: E402
@@ -68,27 +68,34 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
     return vars(inp)
 
 
-def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp: dict, options: dict | None = None,
+def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp, options: dict | None = None,
                  page_size: int = PAGE_SIZE):
-    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated; the engine's jit
-    also unpacks one packed input array, see jaxserve.step.pack_step_input), with XLA's compiler `options` if given.
+    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated), with XLA's compiler
+    `options` if given. `inp`: the inputs as a dict, or a decode step's packed into one array as the engine sends
+    them (pack_step_input; the jit unpacks them on the device, as the engine's does).
     Weights given as (weights, stacked layers): the engine's decode_megakernel step (stacked_step_fn)."""
     fn = (functools.partial(stacked_step_fn, cfg=cfg, attention="auto", page_size=page_size)
           if isinstance(weights, tuple)
           else functools.partial(step_fn, cfg=cfg))
+    if isinstance(inp, np.ndarray):
+        step = fn
+
+        def fn(weights, state, packed):
+            return step(weights, state, unpack_step_input(packed, 1))
     return jax.jit(fn, donate_argnums=(1,)).lower(weights, state, inp).compile(compiler_options=options)
 
 
 def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None,
                 kv_dtype=jnp.bfloat16, page_size: int = PAGE_SIZE):
     """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
-    step_fn compiled like the engine's steps (the state donated; `options` as in compile_step), run once."""
+    step_fn compiled like the engine's steps (the state donated, the inputs one packed array; `options` as in
+    compile_step), run once."""
     pages = -(-(context + 1) // page_size)
     cache = KVCache.zeros(cfg, batch * pages, page_size, kv_dtype, padding_page=True)  # as the engine's
     if isinstance(weights, tuple):  # decode_megakernel: the pages stacked, as the engine holds them then
         cache = (stack_pages(cache.k), stack_pages(cache.v))
     state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
-    inp = decode_inputs(batch, context, pages, cfg.vocab_size)
+    inp = pack_step_input(StepInput(**decode_inputs(batch, context, pages, cfg.vocab_size)))
     step = compile_step(cfg, weights, state, inp, options, page_size)
     packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)

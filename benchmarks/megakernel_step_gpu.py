@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import record  # noqa: E402
-from benchmarks.int8_gpu import LLAMA_8B, decode_step, run_steps  # noqa: E402
+from benchmarks.int8_gpu import LLAMA_8B, decode_inputs, decode_step, run_steps  # noqa: E402
 from jaxserve.config import QuantConfig  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
 from jaxserve.model.transformer import decode_stacked  # noqa: E402
@@ -39,14 +39,21 @@ CONTEXT = 256  # tokens already cached (int8_gpu.py's)
 ROW_MAJOR = "row-major"  # not a kernel trial: the megakernel on layers stacked row-major (stack_layers(tiles=False))
 
 
+THREE_PASS = "three-pass"  # not a kernel trial: the greedy token in jaxserve.step's three passes (XLA:CPU's)
+
+
 def megakernel_step(cfg, page_size: int, trial: str = ""):
     """jit of (weights, stacked layers, tokens, lengths, table, k, v) -> (token, its log-probability, k, v), the
-    pages donated (written in place)."""
+    pages donated (written in place). `trial`: a kernel trial, or one of this benchmark's: ROW_MAJOR, THREE_PASS,
+    "programs=N" (the kernel on N programs instead of one an SM)."""
+    options = {"programs": int(trial.split("=")[1])} if trial.startswith("programs=") else {"trial": trial}
+    if trial in (ROW_MAJOR, THREE_PASS):
+        options = {}
+
     def step(weights, layers, tokens, lengths, table, k_pages, v_pages):
         logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens, lengths, table, k_pages, v_pages,
-                                                  page_size, backend="mosaic_gpu",
-                                                  trial="" if trial == ROW_MAJOR else trial)
-        token, chosen = _greedy(logits)
+                                                  page_size, backend="mosaic_gpu", **options)
+        token, chosen = _greedy(logits, one_pass=None if trial != THREE_PASS else False)
         return token, chosen, logits, k_pages, v_pages
 
     return jax.jit(step, donate_argnums=(5, 6))
@@ -78,7 +85,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quick check)")
     ap.add_argument("--trial", action="append", default=[],
                     help="also check and time the megakernel with this trial (e.g. auto-barriers; or row-major: "
-                         "the layers stacked row-major, not as tiles); repeatable")
+                         "the layers stacked row-major, not as tiles; three-pass: the greedy token in three passes; "
+                         "programs=N: the kernel on N programs); repeatable")
     ap.add_argument("--trial-pages", default="16,128",
                     help="page sizes the trials run at (at 16 a trial is checked against the served int8 step, at "
                          "128 against the kernel without it, on the same random pages)")
@@ -100,15 +108,15 @@ def main() -> None:
     def layers_of(trial):
         return row_major if trial == ROW_MAJOR else layers
     page_size = int8[1].cache.page_size
-    inp = int8[2]
+    inp = decode_inputs(1, CONTEXT, -(-(CONTEXT + 1) // page_size), cfg.vocab_size)  # what decode_step packed
     tokens, lengths = jnp.asarray(inp["tokens"]), jnp.asarray(inp["positions"][:, 0])
     table = jnp.asarray(inp["page_table"])
 
     # the check: the served int8 step again on its cache, against the megakernel on that cache stacked
     state = int8[1]
     pages = (stack_pages(state.cache.k), stack_pages(state.cache.v))  # (copies: the served step donates its state)
-    _, served_logits, state = int8[0](int8_weights, state, inp)
-    int8 = (int8[0], state, inp)
+    _, served_logits, state = int8[0](int8_weights, state, int8[2])
+    int8 = (int8[0], state, int8[2])
     fns = {page_size: megakernel_step(cfg, page_size)}
 
     def check(fn, pages, name, trial=""):  # the megakernel's logits on the served step's cache against the served
