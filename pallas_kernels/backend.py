@@ -8,6 +8,8 @@ named on a platform that cannot compile them run in interpret mode.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import jax
@@ -28,6 +30,22 @@ def resolve(backend: str) -> str:
     if platform == "tpu":
         return "mosaic_tpu"
     return "reference" if backend == "auto" else "mosaic_gpu"
+
+
+@functools.cache
+def _load_takes_index() -> bool:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
+def gpu_load(ref: Any, **kwargs: Any) -> jax.Array:
+    """`plgpu.load` of a whole (already indexed) shared-memory ref: jax 0.10 requires the index argument,
+    0.11 deprecates it (the index goes in `ref.at[...]`)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.load(ref, (), **kwargs) if _load_takes_index() else plgpu.load(ref, **kwargs)
 
 
 def interpret_params(backend: str, interpret: bool | None) -> Any:

@@ -511,7 +511,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         made, later = [(q_smem.at[pl.ds(0, COLS)], rotated(lo, hi))], []
                         if full:  # q, k and v times the attention norm's 1/rms (a number a row); k rotated too
                             plgpu.barrier_wait(att_bar)
-                            sq = plgpu.load(rs_smem.at[pl.ds(0, COLS)], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                            sq = backend_lib.gpu_load(rs_smem.at[pl.ds(0, COLS)], layout=plgpu.Layout.WGMMA.reduce(0))
                             inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + eps), lo.shape, [1])
                             hd = cfg.head_dim
 
@@ -560,7 +560,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     wait_inputs(layer, j, u)
                     src_j, src_layer, col, width = inputs_of(layer, j, u)
                     for r in range(out_rows):
-                        row = plgpu.load(o_refs[src_j].at[src_layer, r, pl.ds(col, width)], (),
+                        row = backend_lib.gpu_load(o_refs[src_j].at[src_layer, r, pl.ds(col, width)],
                                          layout=plgpu.Layout.WG_STRIDED((width,), vec_size=width // 128))
                         xs_smem.at[slot, r, pl.ds(0, width)][...] = row
                     plgpu.commit_smem()  # (a warpgroup barrier: every thread's row before any reads them)
@@ -607,7 +607,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         gate = _load_t(sums(at))
                         up = _load_t(sums(at + BLOCK_N))
                         if numerics:  # both times the mlp norm's 1/rms, a number a row
-                            sq = plgpu.load(sq_smem.at[lax.rem(layer, 2), pl.ds(0, COLS)], (),
+                            sq = backend_lib.gpu_load(sq_smem.at[lax.rem(layer, 2), pl.ds(0, COLS)],
                                             layout=plgpu.Layout.WGMMA.reduce(0))
                             inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + eps),
                                                        gate.shape, [1])
@@ -905,7 +905,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             acc = acc.astype(jnp.float32)
                             if scaled:
                                 plgpu.barrier_wait(sc_bar.at[wg])
-                                scale = plgpu.load(sc_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                                scale = backend_lib.gpu_load(sc_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
                                 acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
                             if residual:
                                 def add_residual(a):

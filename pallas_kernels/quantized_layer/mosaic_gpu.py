@@ -116,13 +116,13 @@ def supports(m: int, d: int, f: int, nq: int) -> bool:
 
 def _load_t(ref) -> jax.Array:
     """A [rows, 64] tile in shared memory -> [64, rows] float32 in the WGMMA layout."""
-    v = plgpu.load(plgpu.transpose_ref(ref, (1, 0)), (), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+    v = backend_lib.gpu_load(ref.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
     return plgpu.layout_cast(v.astype(jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _row_vector(ref, shape) -> jax.Array:
     """[64] per-channel numbers in shared memory -> broadcast over `shape` [64, rows] in the WGMMA layout."""
-    v = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+    v = backend_lib.gpu_load(ref, layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
     return lax.broadcast_in_dim(v, shape, [0])
 
 

@@ -313,7 +313,7 @@ def store_transposed(tile: jax.Array, ref, *, interpreted: bool) -> None:
     if interpreted:
         ref[...] = tile.T.astype(ref.dtype)
     else:
-        plgpu.transpose_ref(ref, (1, 0))[...] = plgpu.layout_cast(tile.astype(ref.dtype),
+        ref.transpose((1, 0))[...] = plgpu.layout_cast(tile.astype(ref.dtype),
                                                                   plgpu.Layout.WGMMA_TRANSPOSED)
 
 
