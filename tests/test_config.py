@@ -19,6 +19,19 @@ def test_serve_preset_loads_with_its_nested_engine():
     assert cfg.engine.chunk_buckets == (32, 128, 512) and cfg.engine.max_seq_len == 2048
 
 
+def test_int8_latency_preset_loads_and_its_pages_are_the_kernels():
+    """configs/serve-int8-latency.yaml: int8 weights with one scale a channel, one slot through the decode
+    megakernel, 128-position pages, which the kernel's Mosaic GPU check takes for an 8B Llama."""
+    from jaxserve.checkpoint.random_model import PRESETS
+    from pallas_kernels.decode_megakernel.mosaic_gpu import check_config
+
+    cfg = load_yaml(ServerConfig, os.path.join(REPO, "configs", "serve-int8-latency.yaml"))
+    assert cfg.quantize is not None and (cfg.quantize.mode, cfg.quantize.group_size) == ("int8", 0)
+    assert cfg.engine.decode_megakernel and cfg.engine.max_slots == 1 and cfg.engine.page_size == 128
+    assert cfg.engine.max_seq_len == 8192 and cfg.dtype == "bfloat16"
+    check_config(PRESETS["llama3-8b"], cfg.engine.page_size)
+
+
 def test_engine_section_may_be_partial_and_top_level_engine_config_still_loads(tmp_path):
     path = tmp_path / "s.yaml"
     path.write_text("port: 0\nengine:\n  max_slots: 2\n")
