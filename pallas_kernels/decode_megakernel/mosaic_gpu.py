@@ -561,7 +561,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     src_j, src_layer, col, width = inputs_of(layer, j, u)
                     for r in range(out_rows):
                         row = backend_lib.gpu_load(o_refs[src_j].at[src_layer, r, pl.ds(col, width)],
-                                         layout=plgpu.Layout.WG_STRIDED((width,), vec_size=width // 128))
+                                                   layout=plgpu.Layout.WG_STRIDED((width,), vec_size=width // 128))
                         xs_smem.at[slot, r, pl.ds(0, width)][...] = row
                     plgpu.commit_smem()  # (a warpgroup barrier: every thread's row before any reads them)
                 else:
@@ -608,7 +608,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                         up = _load_t(sums(at + BLOCK_N))
                         if numerics:  # both times the mlp norm's 1/rms, a number a row
                             sq = backend_lib.gpu_load(sq_smem.at[lax.rem(layer, 2), pl.ds(0, COLS)],
-                                            layout=plgpu.Layout.WGMMA.reduce(0))
+                                                      layout=plgpu.Layout.WGMMA.reduce(0))
                             inv = lax.broadcast_in_dim(lax.rsqrt(sq * (1.0 / cfg.hidden_size) + eps),
                                                        gate.shape, [1])
                             gate, up = gate * inv, up * inv

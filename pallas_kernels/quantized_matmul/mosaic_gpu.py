@@ -313,8 +313,7 @@ def store_transposed(tile: jax.Array, ref, *, interpreted: bool) -> None:
     if interpreted:
         ref[...] = tile.T.astype(ref.dtype)
     else:
-        ref.transpose((1, 0))[...] = plgpu.layout_cast(tile.astype(ref.dtype),
-                                                                  plgpu.Layout.WGMMA_TRANSPOSED)
+        ref.transpose((1, 0))[...] = plgpu.layout_cast(tile.astype(ref.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
 
 
 def drain(free_bar, stages: int, first, last) -> None:
