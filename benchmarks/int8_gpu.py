@@ -69,10 +69,10 @@ def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> 
 
 
 def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp, options: dict | None = None,
-                 page_size: int = PAGE_SIZE):
+                 page_size: int = PAGE_SIZE, pages: int = 0):
     """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated), with XLA's compiler
     `options` if given. `inp`: the inputs as a dict, or a decode step's packed into one array as the engine sends
-    them (pack_step_input; the jit unpacks them on the device, as the engine's does).
+    them (pack_step_input, with `pages` columns of page table; the jit unpacks them on the device, as the engine's does).
     Weights given as (weights, stacked layers): the engine's decode_megakernel step (stacked_step_fn)."""
     fn = (functools.partial(stacked_step_fn, cfg=cfg, attention="auto", page_size=page_size)
           if isinstance(weights, tuple)
@@ -81,7 +81,7 @@ def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp, options: di
         step = fn
 
         def fn(weights, state, packed):
-            return step(weights, state, unpack_step_input(packed, 1))
+            return step(weights, state, unpack_step_input(packed, 1, pages))
     return jax.jit(fn, donate_argnums=(1,)).lower(weights, state, inp).compile(compiler_options=options)
 
 
@@ -96,7 +96,7 @@ def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: di
         cache = (stack_pages(cache.k), stack_pages(cache.v))
     state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
     inp = pack_step_input(StepInput(**decode_inputs(batch, context, pages, cfg.vocab_size)))
-    step = compile_step(cfg, weights, state, inp, options, page_size)
+    step = compile_step(cfg, weights, state, inp, options, page_size, pages)
     packed, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp

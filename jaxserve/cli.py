@@ -254,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from jaxserve.step import compilation_count, release_followers
 
-    logging.getLogger("jaxserve.server").setLevel(logging.INFO)
+    logging.getLogger("jaxserve").setLevel(logging.INFO)  # start-up progress: loading, each bucket compiled
     code = serve(cfg, load, compilations=compilation_count)
     for engine in engines:
         release_followers(engine)

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -70,20 +70,50 @@ class DeviceState(NamedTuple):
 SAMPLING_INPUTS = ("slots", "seeds", "steps", "temperature", "top_k", "top_p")
 
 
+# The fields of the packed step input in column order, and how many columns each takes (width w, pages p).
+_PACKED = (("page_table", lambda w, p: p), ("positions", lambda w, p: w), ("tokens", lambda w, p: w),
+           ("valid", lambda w, p: w), ("feed", None), ("slots", None), ("last", None))
+# Each field starts at a multiple of 64 int32 columns (256 bytes). In a one-row bucket a field is a contiguous
+# slice of the packed array, which XLA hands to a custom call as a pointer into it instead of copying; Mosaic GPU
+# kernels refuse an operand that is not 256-byte aligned ("Input buffer 3 is not 256-byte aligned": the page
+# table, when it sat 6 columns in).
+_PACKED_ALIGN = 64
+
+
+def _packed_columns(width: int, pages: int) -> dict[str, slice]:
+    """Where each field of `pack_step_input` lies in a row of the packed array."""
+    columns, at = {}, 0
+    for name, size in _PACKED:
+        n = size(width, pages) if size else 1
+        columns[name] = slice(at, at + n)
+        at = -(-(at + n) // _PACKED_ALIGN) * _PACKED_ALIGN
+    return columns
+
+
 def pack_step_input(inp: StepInput) -> np.ndarray:
-    """The inputs `step_fn` reads, side by side in one int32 array [rows, 3 * width + 3 + pages]: one copy to the
-    device for a greedy step instead of seven (a step that samples sends the sampler its own). On the H100
-    machine the seven numpy inputs cost ~2 ms of host time a dispatch (benchmarks/dispatch_gpu.py: 3.41 against
-    1.45 ms with inputs already on the device); `unpack_step_input` takes them apart on the device."""
-    return np.concatenate([inp.tokens, inp.positions, inp.valid, inp.feed[:, None], inp.slots[:, None],
-                           inp.last[:, None], inp.page_table], axis=1, dtype=np.int32)
+    """The inputs `step_fn` reads, side by side in one int32 array [rows, columns], each field 256-byte aligned
+    (`_PACKED_ALIGN`): one copy to the device for a greedy step instead of seven (a step that samples sends the
+    sampler its own). On the H100 machine the seven numpy inputs cost ~2 ms of host time a dispatch
+    (benchmarks/dispatch_gpu.py: 3.41 against 1.45 ms with inputs already on the device); `unpack_step_input`
+    takes them apart on the device."""
+    rows, width, pages = inp.shape
+    columns = _packed_columns(width, pages)
+    packed = np.zeros((rows, list(columns.values())[-1].stop), np.int32)
+    for name, where in columns.items():
+        x = getattr(inp, name)
+        packed[:, where] = x if x.ndim == 2 else x[:, None]
+    return packed
 
 
-def unpack_step_input(packed: jax.Array, width: int) -> dict[str, jax.Array]:
-    w = width
-    return {"tokens": packed[:, :w], "positions": packed[:, w:2 * w], "valid": packed[:, 2 * w:3 * w] != 0,
-            "feed": packed[:, 3 * w] != 0, "slots": packed[:, 3 * w + 1], "last": packed[:, 3 * w + 2],
-            "page_table": packed[:, 3 * w + 3:]}
+def unpack_step_input(packed: jax.Array, width: int, pages: int) -> dict[str, jax.Array]:
+    """`pack_step_input` undone on the device: each field in its dtype (bool fields as bool, others int32)."""
+    fields = {}
+    for name, where in _packed_columns(width, pages).items():
+        x = packed[:, where]
+        if name in ("feed", "slots", "last"):
+            x = x[:, 0]
+        fields[name] = x != 0 if name in ("valid", "feed") else x
+    return fields
 
 
 def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
@@ -277,18 +307,25 @@ class StepRunner:
         step = (partial(stacked_step_fn, cfg=self.model_cfg, attention=cfg.attention, page_size=cfg.page_size)
                 if cfg.decode_megakernel else partial(step_fn, cfg=self.model_cfg, attention=attention))
         start = time.perf_counter()
-        lowered = []
-        for bucket in self.buckets:  # tracing holds the GIL: one at a time
-            blank = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
-            example: Any = pack_step_input(blank)
-            if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
-                example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(blank).items()}
-            lowered.append(self._jit(step, bucket).lower(self.params, self.state, example))
-        # XLA compiles outside the GIL, so the buckets compile side by side. On the H100 an 8B model's 7 buckets
-        # compiled (and ran once) in 399 s this way; one at a time, 4 of its 5 buckets took over 540 s.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-            self._compiled: dict[tuple[int, int, int], Any] = dict(
-                zip(self.buckets, pool.map(lambda low: low.compile(), lowered)))
+        self._compiled: dict[tuple[int, int, int], Any] = {}
+        # Each bucket is traced and lowered here (that holds the GIL: one at a time), then compiled on a thread of
+        # its own (XLA compiles outside the GIL) while the next is lowered.
+        threads = max(1, min(len(self.buckets), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            futures = {}
+            for bucket in self.buckets:
+                blank = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
+                example: Any = pack_step_input(blank)
+                if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
+                    example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(blank).items()}
+                lowered = self._jit(step, bucket).lower(self.params, self.state, example)
+                futures[pool.submit(lowered.compile)] = bucket
+            log.info("lowered %d step buckets in %.1f s; compiling on %d threads", len(self.buckets),
+                     time.perf_counter() - start, threads)
+            for done, future in enumerate(as_completed(futures), 1):
+                self._compiled[futures[future]] = future.result()
+                log.info("compiled %d/%d step buckets (%.0f s; rows, width, pages %s)", done, len(futures),
+                         time.perf_counter() - start, futures[future])
         # The sampler (see step_fn) for each row count of the buckets, compiled by a first run on padding rows.
         self._samplers = {r: self._jit_sampler(r) for r, _, _ in self.buckets}
         for r in self._samplers:
@@ -303,11 +340,13 @@ class StepRunner:
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
         # first requests' time to first token. Followers of a multi-host group run the same steps.
         # Kernels in interpret mode (a test setting) skip it: there each run is a whole slow interpretation.
-        for r, width, pages in () if backend_lib.interpreted(cfg.attention) else self.buckets:
-            self._run(StepInput.build([None] * r, width, pages, cfg.max_slots))
+        first_runs = () if backend_lib.interpreted(cfg.attention) else self.buckets
+        for done, (r, width, pages) in enumerate(first_runs, 1):
+            jax.block_until_ready(self._run(StepInput.build([None] * r, width, pages, cfg.max_slots)))
+            log.info("first run %d/%d (%.0f s)", done, len(first_runs), time.perf_counter() - start)
         jax.block_until_ready(self.state)
-        log.info("compiled %d step buckets in %.1f s, first runs %.1f s", len(self.buckets), compiled - start,
-                 time.perf_counter() - compiled)
+        log.info("compiled %d step buckets and their samplers in %.1f s, first runs %.1f s: ready after %.1f s",
+                 len(self.buckets), compiled - start, time.perf_counter() - compiled, time.perf_counter() - start)
 
     def _stacked_layers(self, model: LoadedModel, dtype: Any) -> StackedLayers:
         """The model's layers stacked for the decode megakernel; raises JaxserveError naming what it cannot take."""
@@ -349,7 +388,7 @@ class StepRunner:
 
     def _jit(self, step: Callable[..., Any], bucket: tuple[int, int, int]) -> Any:
         if self.plan is None:  # one packed input array (see pack_step_input)
-            return jax.jit(lambda weights, state, packed: step(weights, state, unpack_step_input(packed, bucket[1])),
+            return jax.jit(lambda weights, state, packed: step(weights, state, unpack_step_input(packed, *bucket[1:])),
                            donate_argnums=(1,))
         state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
         weights = jax.tree_util.tree_map(lambda x: x.sharding, self.weights)

@@ -88,7 +88,7 @@ def check_step_inputs(scheduler: Scheduler, plan: StepPlan) -> None:
             assert inp.valid[i].sum() == chunk.length == inp.last[i] + 1 and inp.slots[i] == r.slot
             assert list(inp.page_table[i, :len(r.pages)]) == r.pages
         # one device copy carries what the step reads; unpacked, it gives back the same arrays
-        for name, x in unpack_step_input(pack_step_input(inp), width).items():
+        for name, x in unpack_step_input(pack_step_input(inp), width, cfg.max_pages_per_slot).items():
             assert np.array_equal(x, getattr(inp, name)) and x.dtype == getattr(inp, name).dtype, name
 
 
@@ -271,3 +271,15 @@ def test_preempted_requests_wait_for_room_instead_of_thrashing():
     simulate(scheduler, [(0, r) for r in requests])
     assert all(r.finished and len(r.output_ids) == 64 for r in requests)
     assert 0 < scheduler.num_preemptions <= 32 - 20, scheduler.num_preemptions  # 30 when re-admitted on a chunk
+
+
+def test_every_packed_field_of_a_one_row_step_starts_256_byte_aligned():
+    # A one-row step's fields are contiguous slices of the packed input, which XLA passes to the Mosaic GPU
+    # kernels as pointers into it; those refuse an operand that is not 256-byte aligned.
+    from jaxserve.step import _packed_columns
+
+    for width, pages in ((1, 7), (1, 512), (512, 128), (3, 1)):
+        packed = pack_step_input(StepInput.build([None], width, pages, 4))
+        starts = [where.start * packed.itemsize for where in _packed_columns(width, pages).values()]
+        assert all(start % 256 == 0 for start in starts), (width, pages, starts)
+        assert packed.shape[1] == _packed_columns(width, pages)["last"].stop

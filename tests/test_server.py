@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -478,6 +479,37 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
         assert responses[-1].HasField("completion"), "the in-flight stream finished"
         assert responses[-1].completion.usage.completion_tokens == 120
         assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_compiling_ends_the_server_within_5_s(tmp_path, signum):
+    config = tmp_path / "serve.yaml"
+    config.write_text("host: 127.0.0.1\nmetrics_port: null\nengine:\n  max_slots: 2\n  num_pages: 32\n"
+                      "  max_pages_per_slot: 16\n  chunk_buckets: [16, 32, 64]\n")
+    # a cache of its own: the buckets really compile when the signal comes
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port",
+                             str(free_port())], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        log = []
+        for line in proc.stdout:
+            log.append(line)
+            if "step buckets in" in line and "lowered" in line:
+                break
+        assert not any("first run" in line for line in log), "".join(log)  # still compiling
+        sent = time.perf_counter()
+        proc.send_signal(signum)
+        code = proc.wait(timeout=30)
+        assert time.perf_counter() - sent < 5, "".join(log)
+        assert code == 128 + signum
+        assert "received while loading: exiting without serving" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()

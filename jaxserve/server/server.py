@@ -10,6 +10,7 @@ NOT_SERVING and is logged; the failed calls end with INTERNAL.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -147,12 +148,21 @@ def serve(cfg: ServerConfig, load: Callable[[], tuple[Engine, pb.ModelInfo]], *,
     """Runs a server until SIGTERM or SIGINT, then drains it; returns the exit code (0).
 
     The ports open first, with health NOT_SERVING; `load` then loads the weights and compiles every
-    bucket (the caller owns the device side) and returns the engine, not yet started.
+    bucket (the caller owns the device side) and returns the engine, not yet started. It runs on a
+    thread of its own, so that a signal reaches the main thread while XLA compiles: there is nothing to
+    drain yet, so the process exits at once, with 128 + the signal's number (as a shell reports a process
+    the signal killed).
     """
     stop = threading.Event()
+    loading = threading.Event()
+    loading.set()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.warning("%s received: draining", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if loading.is_set():
+            log.warning("%s received while loading: exiting without serving", name)
+            os._exit(128 + signum)  # the compile threads cannot be interrupted; nothing is lost with them
+        log.warning("%s received: draining", name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -161,7 +171,24 @@ def serve(cfg: ServerConfig, load: Callable[[], tuple[Engine, pb.ModelInfo]], *,
     server.start()
     log.info("listening on %s:%d; loading %s", cfg.host, server.port, cfg.model or "the embedded model")
     start = time.perf_counter()
-    engine, info = load()
+    result: list[tuple[Engine, pb.ModelInfo]] = []
+    failure: list[BaseException] = []
+
+    def run_load() -> None:
+        try:
+            result.append(load())
+        except BaseException as e:  # raised again on the main thread
+            failure.append(e)
+
+    loader = threading.Thread(target=run_load, name="jaxserve-load", daemon=True)
+    loader.start()
+    while loader.is_alive():
+        loader.join(0.5)
+    if failure:
+        server.stop(0)
+        raise failure[0]
+    loading.clear()  # a signal from here on drains
+    engine, info = result[0]
     engine.start()
     server.attach(engine, info)
     log.info("serving %s (%s) on %s:%d after %.1f s; metrics on %s", info.source, info.dtype, cfg.host, server.port,
