@@ -27,13 +27,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxserve pallas_kernels tests
 	$(VENV)/bin/mypy
 
-# The packages the lent GPU machine's image lacks (it has no network): carry .whl/ there and install with
-# pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then PYTHONPATH=.:/tmp/site.
+# The packages the lent GPU machine's image lacks (it has no network): carry .whl/ (and the generated stubs,
+# jaxserve/v1) there and install with pip install --no-index --no-deps --target /tmp/site .whl/*.whl, then
+# PYTHONPATH=.:/tmp/site. gRPC and protobuf at this venv's versions: the stubs refuse an older grpcio.
 GPU_WHEELS := gguf prometheus-client jinja2 markupsafe tqdm pyyaml hypothesis sortedcontainers attrs \
-	pytest-xdist execnet grpcio-health-checking grpcio-reflection
+	pytest-xdist execnet
 gpu-wheels: $(STAMP)
+	rm -rf .whl
 	$(VENV)/bin/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
-		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+		--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+		$(GPU_WHEELS) $$($(VENV)/bin/pip freeze | grep -iE '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf)==')
 
 clean:
 	rm -rf $(VENV)

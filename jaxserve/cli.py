@@ -296,10 +296,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name in ("num_requests", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.config:  # the engine a server with this config runs: the baseline of a load over gRPC
+        from jaxserve.config import ServerConfig, load_yaml
+
+        if args.max_slots is not None:
+            raise InputError(f"--max-slots={args.max_slots} and --config both size the engine; give one")
+        server_cfg = load_yaml(ServerConfig, args.config)
+        args.model = args.model or server_cfg.model
+        args.dtype = args.dtype or server_cfg.dtype
+        if args.quantize is None and server_cfg.quantize is not None:
+            args.quantize, args.quantize_group_size = server_cfg.quantize.mode, server_cfg.quantize.group_size
+            args.float_head = not server_cfg.quantize.head
+        cfg = dataclasses.replace(server_cfg.engine, parallel=parallel_from_args(args, server_cfg.engine.parallel))
+        if args.attention:
+            cfg = dataclasses.replace(cfg, attention=args.attention)
     start_distributed(args)
     model = _load(args)
-    cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
-                       attention=args.attention or "auto", parallel=parallel_from_args(args))
+    if not args.config:
+        cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
+                           attention=args.attention or "auto", parallel=parallel_from_args(args))
     if args.kv_memory_fraction:
         cfg = dataclasses.replace(cfg, kv_memory_fraction=args.kv_memory_fraction)
     if args.kv_cache_dtype:
@@ -375,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-len", type=int, default=128)
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--max-slots", type=int, default=None, help="decode slots (default: min(requests, 64))")
+    bench.add_argument("--config", default=None,
+                       help="a serve config (e.g. k8s/overlays/gpu/serve.yaml): its model, dtype, quantization and "
+                            "engine, every bucket, instead of an engine sized for the load (flags still override)")
     bench.add_argument("--kv-memory-fraction", type=float, default=0.0,
                        help="size the KV pages from the device's memory: this share of it in all (GPU/TPU; default: "
                             "every slot's full length)")

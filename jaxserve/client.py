@@ -11,7 +11,8 @@ Failures arrive as `grpc.RpcError` with the server's status code and message.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +161,22 @@ class Client:
         """"SERVING", "NOT_SERVING", ... for `service` ("" is the whole server)."""
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+    def wait_until_serving(self, timeout: float, *, alive: Callable[[], bool] = lambda: True) -> float:
+        """Polls health until SERVING and returns the seconds waited; raises TimeoutError after `timeout`, or
+        RuntimeError as soon as `alive()` is false (say, the server's process has exited)."""
+        start = time.monotonic()
+        while True:
+            if not alive():
+                raise RuntimeError(f"the server stopped before it was SERVING ({time.monotonic() - start:.1f} s)")
+            try:
+                if self.health(timeout=2) == "SERVING":
+                    return time.monotonic() - start
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"the server was not SERVING after {timeout} s")
+            time.sleep(0.1)
 
     def close(self) -> None:
         self.channel.close()

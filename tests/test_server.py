@@ -457,14 +457,7 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with Client(f"127.0.0.1:{port}") as client:
-            def serving() -> bool:
-                assert proc.poll() is None, f"the server exited early:\n{proc.stdout.read() if proc.stdout else ''}"
-                try:
-                    return client.health(timeout=2) == "SERVING"
-                except grpc.RpcError:
-                    return False
-
-            wait_until(serving, timeout=300, what="the server to report SERVING")
+            client.wait_until_serving(300, alive=lambda: proc.poll() is None)
             call = client.generate(prompt=PARIS, max_tokens=120, ignore_eos=True)
             responses = [next(call)]
             rest: list = []

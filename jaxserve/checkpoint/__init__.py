@@ -6,7 +6,7 @@
 | `*.gguf`, or a directory with one        | GGUF                                    |
 | a directory with `jaxserve_model.json`   | orbax (written by `save_model`)         |
 | a directory with `config.json`           | Hugging Face safetensors                |
-| `random:NAME` (llama3-8b, llama3-1b, smoke) | real shapes, random weights (speed work) |
+| `random:NAME` (llama3-8b, llama3-1b, smollm2-135m, smoke) | real shapes, random weights (speed work) |
 
 With `quantize`, the linear layers are quantized to int8 as they load (from float32, one weight
 at a time). An orbax directory written from a quantized model loads quantized, as it was saved.

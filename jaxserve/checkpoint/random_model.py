@@ -24,6 +24,10 @@ PRESETS = {
     "llama3-1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
                              num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
                              max_position_embeddings=8192, tie_word_embeddings=True),
+    # the embedded model's shapes (SmolLM2-135M: 30 layers, d 576, 9 query / 3 KV heads of 64), which cannot travel
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                                max_position_embeddings=8192, tie_word_embeddings=True),
     "smoke": ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=64, max_position_embeddings=4096),
 }
