@@ -62,6 +62,18 @@ def test_bench_json_reports_throughput_and_latency():
     assert all(f > 0 for f in parts) and sum(parts) <= 1.0
 
 
+def test_bench_with_a_serve_config_runs_that_configs_engine(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("engine:\n  max_slots: 3\n  num_pages: 40\n  max_pages_per_slot: 8\n  chunk_buckets: [16, 32]\n")
+    proc = jaxserve("bench", "--config", str(config), "--num-requests", "4", "--input-len", "20", "--output-len", "5",
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert (result["max_slots"], result["output_tokens"]) == (3, 20)
+    both = jaxserve("bench", "--config", str(config), "--max-slots", "2")
+    assert both.returncode == 2 and "--max-slots=2 and --config both size the engine" in both.stderr
+
+
 def test_bench_rejects_bad_sizes():
     proc = jaxserve("bench", "--num-requests", "0")
     assert proc.returncode == 2 and "--num-requests must be at least 1, got 0" in proc.stderr

@@ -24,14 +24,15 @@ import pytest
 import yaml
 
 from jaxserve.client import Client, Completion
+from jaxserve.config import EngineConfig, ServerConfig
 
 pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {  # shipped config -> the random model of its model's shape
     "configs/serve.yaml": "random:smollm2-135m",
-    "configs/serve-int8-latency.yaml": "random:llama3-8b",
     "k8s/overlays/gpu/serve.yaml": "random:llama3-8b",
+    "configs/serve-int8-latency.yaml": "random:llama3-8b",
 }
 LONG, CANCELLED, STOPPED = range(0, 8), range(8, 16), range(16, 24)  # the rest are short
 STOP = "<1"  # the random models' tokens are "<id>": about a third of them start so
@@ -62,12 +63,13 @@ def served_config(shipped: str, tmp_path: Path) -> tuple[Path, dict]:
     cfg = yaml.safe_load((REPO / shipped).read_text())
     cfg.update(host="127.0.0.1", port=free_port(), metrics_host="127.0.0.1", metrics_port=free_port(),
                model=CONFIGS[shipped], drain_timeout_s=120)
+    cfg.setdefault("max_tokens_limit", ServerConfig().max_tokens_limit)
     engine = cfg.setdefault("engine", {})
-    engine.setdefault("page_size", 16)
-    engine.setdefault("max_pages_per_slot", 64)
+    for name in ("page_size", "max_pages_per_slot", "max_slots"):
+        engine.setdefault(name, getattr(EngineConfig(), name))
     engine["compilation_cache_dir"] = os.environ.get("JAXSERVE_TEST_XLA_CACHE") or str(tmp_path / "xla")
-    if engine.get("max_slots", 8) > 1:  # room for four long requests at a time, not all eight
-        pages = long_request(engine, cfg.get("max_tokens_limit", 4096))[2]
+    if engine["max_slots"] > 1:  # room for four long requests at a time, not all eight
+        pages = long_request(engine, cfg["max_tokens_limit"])[2]
         engine.update(kv_memory_fraction=0.0, num_pages=max(engine["max_pages_per_slot"], 4 * pages))
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -101,7 +103,7 @@ def test_shipped_config_serves_64_mixed_streams_and_drains(shipped, tmp_path):
                         seen["jaxserve:kv_cache_usage_perc"]) == (0, 0, 0)
 
             wait(idle, 30, "every slot and page to be free again")
-            if engine.get("max_slots", 8) > 1:
+            if engine["max_slots"] > 1:  # (one slot never preempts)
                 assert seen["jaxserve:num_preemptions_total"] > 0, "the long requests preempted each other"
             # SIGTERM mid-stream: the call in flight finishes, new calls are refused, the process exits 0
             call = client.generate(token_ids=[5] * 16, max_tokens=100, ignore_eos=True)
@@ -123,7 +125,7 @@ def run_mixed_load(client: Client, cfg: dict, vocab: int) -> dict[int, tuple[dic
     """64 streams at once -> each one's (request, its gathered stream or its error), by index; an index's kind is
     given by LONG, CANCELLED, STOPPED (short otherwise)."""
     rng = np.random.default_rng(0)
-    long_prompt, long_out, _ = long_request(cfg["engine"], cfg.get("max_tokens_limit", 4096))
+    long_prompt, long_out, _ = long_request(cfg["engine"], cfg["max_tokens_limit"])
     requests = []
     for i in range(64):
         n, out = (long_prompt, long_out) if i in LONG else (int(rng.integers(1, 300)), int(rng.integers(1, 64)))
