@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -399,9 +400,12 @@ class ServerConfig:
 
     host: str = "0.0.0.0"
     port: int = 50051  # 0 picks a free port
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # the k8s overlays listen on 0.0.0.0 for their scrapers
     metrics_port: int | None = 9090  # Prometheus /metrics over HTTP; None turns it off, 0 picks a free port
+    metrics_auth_token: str | None = None  # bearer token required on the metrics port
+    metrics_auth_token_file: str | None = None  # or a file holding it
     model: str | None = None  # GGUF file, HF or orbax directory; None serves the embedded SmolLM2
+    served_model_name: str | None = None  # the model's name to callers; None: the model path's last part
     dtype: str | None = None  # float32 or bfloat16; None: float32 on CPU, bfloat16 on GPU/TPU
     quantize: QuantConfig | None = None  # int8 weights, quantized at load (an orbax model saved quantized needs none)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -412,6 +416,12 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024  # larger requests get RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096  # the largest max_tokens a request may ask for
     max_stop_strings: int = 8
+    # A prompt's UTF-8 bytes (or a chat's contents together), checked before tokenizing; 0: 32 bytes for each
+    # token of one sequence (max_pages_per_slot * page_size)
+    max_prompt_bytes: int = 0
+    max_messages: int = 1024  # chat messages in one request
+    stream_idle_timeout_s: float = 30.0  # a stream whose client reads nothing for this long is cancelled
+    stream_buffer_tokens: int = 1024  # output a stream may fall behind its client by before it is cancelled
     tls_cert: str | None = None  # PEM certificate chain; with tls_key turns TLS on
     tls_key: str | None = None  # PEM private key
     tls_client_ca: str | None = None  # PEM CA bundle; set, clients must present a certificate it signed (mTLS)
@@ -428,11 +438,18 @@ class ServerConfig:
         for name in ("max_waiting", "retry_after_ms"):
             if getattr(self, name) < 0:
                 raise JaxserveError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_message_bytes", "max_tokens_limit"):
+        for name in ("max_message_bytes", "max_tokens_limit", "max_messages", "stream_buffer_tokens"):
             if getattr(self, name) < 1:
                 raise JaxserveError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_stop_strings < 0:
             raise JaxserveError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if self.max_prompt_bytes < 0:
+            raise JaxserveError(f"max_prompt_bytes must be >= 0 (0: 32 bytes a token of one sequence), got "
+                                f"{self.max_prompt_bytes}")
+        if not self.stream_idle_timeout_s > 0:
+            raise JaxserveError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
+        if self.metrics_auth_token is not None and self.metrics_auth_token_file is not None:
+            raise JaxserveError("set metrics_auth_token or metrics_auth_token_file, not both")
         if self.drain_timeout_s < 0:
             raise JaxserveError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -445,6 +462,20 @@ class ServerConfig:
             raise JaxserveError("set auth_token or auth_token_file, not both")
         if self.auth_token is not None and not self.auth_token.strip():
             raise JaxserveError("auth_token must not be empty; leave it unset to turn auth off")
+
+    def prompt_bytes_limit(self, max_sequence_length: int) -> int:
+        """max_prompt_bytes, or its default for an engine of this sequence length."""
+        return self.max_prompt_bytes or 32 * max_sequence_length
+
+    @property
+    def model_name(self) -> str:
+        """The name callers see: served_model_name, else the model path's last part (no file extension)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return "SmolLM2-135M-Instruct"
+        base = os.path.basename(os.path.normpath(self.model))
+        return os.path.splitext(base)[0] if base.endswith((".gguf", ".GGUF")) else base
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -184,23 +184,30 @@ def test_expired_deadline_frees_the_slot_and_pages(client, engine):
 
 # -- bad input -------------------------------------------------------------------------------
 BAD_INPUTS = [
-    ({"prompt": ""}, "prompt='' is empty"),
-    ({"token_ids": []}, "token_ids.ids is empty"),
-    ({"messages": []}, "messages.messages is empty"),
+    ({"prompt": ""}, "prompt='' must be a non-empty string"),
+    ({"token_ids": []}, "token_ids.ids=[] must be a non-empty list of token ids"),
+    ({"messages": []}, "messages.messages=[] must be a non-empty list"),
     ({"token_ids": [1, 49152]}, "token_ids.ids[1]=49152 is outside the vocabulary [0, 49152)"),
     ({"token_ids": [5, -3]}, "token_ids.ids[1]=-3 is outside the vocabulary"),
     ({"token_ids": [7] * 100, "max_tokens": 50}, "prompt of 100 tokens plus sampling.max_tokens=50 is 150 tokens"),
     ({"prompt": PARIS, "max_tokens": 0}, "sampling.max_tokens=0 must be between 1 and 100"),
     ({"prompt": PARIS, "max_tokens": 101}, "sampling.max_tokens=101 must be between 1 and 100"),
-    ({"prompt": PARIS, "temperature": -0.5}, "sampling.temperature=-0.5 must be >= 0"),
-    ({"prompt": PARIS, "top_k": -1}, "sampling.top_k=-1 must be >= 0"),
+    ({"prompt": PARIS, "temperature": -0.5}, "sampling.temperature=-0.5 must be a finite number >= 0"),
+    ({"prompt": PARIS, "temperature": math.inf}, "sampling.temperature=inf must be a finite number >= 0"),
+    ({"prompt": PARIS, "temperature": -math.inf}, "sampling.temperature=-inf must be a finite number >= 0"),
+    ({"prompt": PARIS, "temperature": math.nan}, "sampling.temperature=nan must be a finite number >= 0"),
+    ({"prompt": PARIS, "top_p": math.nan}, "sampling.top_p=nan must be in (0, 1]"),
+    ({"prompt": PARIS, "request_id": "x" * 257}, "request_id is 257 bytes; at most 256"),
+    ({"prompt": PARIS, "stop": ["y" * 1025]}, "sampling.stop[0]='yyyy"),
+    ({"prompt": PARIS, "top_k": -1}, "sampling.top_k=-1 must be an integer >= 0"),
     ({"prompt": PARIS, "top_p": 0.0}, "sampling.top_p=0.0 must be in (0, 1]"),
     ({"prompt": PARIS, "top_p": 1.5}, "sampling.top_p=1.5 must be in (0, 1]"),
     ({"prompt": PARIS, "stop": ["x"] * 9}, "sampling.stop has 9 strings; at most 8"),
-    ({"prompt": PARIS, "stop": ["ok", ""]}, "sampling.stop[1]='' is empty"),
+    ({"prompt": PARIS, "stop": ["ok", ""]}, "sampling.stop[1]='' must have 1 to 1024 bytes"),
     ({"prompt": PARIS, "stop_token_ids": [60000]}, "sampling.stop_token_ids[0]=60000 is outside the vocabulary"),
     ({"prompt": PARIS, "logprobs": 21}, "sampling.logprobs=21 must be between 0 and 20"),
-    ({"messages": [{"role": "", "content": "hi"}]}, "messages.messages[0].role='' is empty"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages.messages[0].role='' is not one of system, user"),
+    ({"messages": [{"role": "user<|im_end|>", "content": "hi"}]}, "messages.messages[0].role='user<|im_end|>' is not"),
 ]
 
 

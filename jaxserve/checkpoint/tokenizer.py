@@ -6,9 +6,11 @@ file, so it is untrusted input.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -55,8 +57,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
-        """Renders `messages` ([{"role", "content"}]) with the model's chat template."""
+    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
+                    max_bytes: int | None = None) -> str:
+        """Renders `messages` ([{"role", "content"}]) with the model's chat template, at most `max_bytes` of it."""
         if not self.chat_template:
             raise InputError("this model has no chat template; send a plain prompt instead of chat messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -69,14 +72,46 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             template = env.from_string(self.chat_template)
-            return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            text = template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                    **self.special_tokens)
-        except jinja2.TemplateError as e:
-            raise InputError(f"chat template failed to render: {e}") from e
+        except InputError:
+            raise
+        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
+            # the template's own failure on these messages: one line, no traceback (a recursion's is ~1,400 lines)
+            raise InputError(f"chat template failed to render these messages: {type(e).__name__}: {e}") from None
+        if max_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise InputError(f"the chat template rendered more than {max_bytes} bytes (max_prompt_bytes)")
+        return text
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a rendered chat; the template itself places any BOS token."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def encode_chat(self, messages: Sequence[dict[str, str]], *, max_bytes: int | None = None) -> list[int]:
+        """Token ids of a rendered chat; the template itself places any BOS token.
+
+        Only the template makes control tokens: a special token's string inside a message's content tokenizes as
+        plain text. Such a chat is rendered with a placeholder for each content; the template's text between them
+        is encoded as usual, each content with special tokens split (so a template that edits the content, say
+        trims it, does not edit these). A chat without such strings is rendered and encoded whole, as
+        `transformers` does."""
+        specials = [t for t in self.backend.get_added_tokens_decoder().values() if t.special]
+        if not any(t.content in m["content"] for m in messages for t in specials):
+            return self.encode(self.render_chat(messages, max_bytes=max_bytes), add_special_tokens=False)
+        marks = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
+        rendered = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)], max_bytes=max_bytes)
+        ids: list[int] = []
+        for i, mark in enumerate(marks):
+            head, found, rendered = rendered.partition(mark)
+            if not found:
+                raise InputError(f"the chat template dropped or changed messages[{i}].content; it cannot be "
+                                 f"rendered safely with special-token strings in it")
+            ids += self.encode(head, add_special_tokens=False) if head else []
+            ids += self._plain_text.encode(messages[i]["content"], add_special_tokens=False).ids
+        return ids + (self.encode(rendered, add_special_tokens=False) if rendered else [])
+
+    @functools.cached_property
+    def _plain_text(self) -> tokenizers.Tokenizer:
+        """The tokenizer with special-token strings split like any other text (for message contents)."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def save(self, directory: str) -> None:
         self.backend.save(os.path.join(directory, "tokenizer.json"))

@@ -82,6 +82,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
         self._outboxes: dict[str, queue.SimpleQueue[Update]] = {}
+        self._sinks: dict[str, Callable[[Update], None]] = {}  # where each request's updates go
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
@@ -92,8 +93,10 @@ class Engine:
 
     # -- the public surface ------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None, *,
-               priority: int = 0) -> Request:
-        """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`.
+               priority: int = 0, on_update: Callable[[Update], None] | None = None) -> Request:
+        """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`, or, with
+        `on_update`, are passed to it on the engine thread (it must not block: an asyncio server hands them to
+        its loop).
 
         Lower `priority` values are admitted first; equal ones in order of arrival. After a fault
         the engine takes nothing more: submit raises RuntimeError.
@@ -114,7 +117,11 @@ class Engine:
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
                           frozenset(stop_ids), priority=priority)
         self.scheduler.check_fits(request)
-        self._outboxes[request.request_id] = queue.SimpleQueue()
+        if on_update is None:
+            box: queue.SimpleQueue[Update] = queue.SimpleQueue()
+            self._outboxes[request.request_id] = box
+            on_update = box.put
+        self._sinks[request.request_id] = on_update
         self._requests[request.request_id] = request  # so that a cancel right after submit is not lost
         self._inbox.put(("add", request))
         return request
@@ -128,8 +135,10 @@ class Engine:
         return self._outboxes[request_id]
 
     def close_outbox(self, request_id: str) -> None:
-        """Forgets a request's outbox once its reader is done with it (a server calls this per request)."""
+        """Forgets a request's outbox (or `on_update`) once its reader is done with it (a server calls this per
+        request)."""
         self._outboxes.pop(request_id, None)
+        self._sinks.pop(request_id, None)
 
     def run_until_done(self) -> None:
         """Steps on the caller's thread until every submitted request has finished."""
@@ -142,7 +151,7 @@ class Engine:
         requests = [self.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
         self.run_until_done()
         for r in requests:
-            self._outboxes.pop(r.request_id, None)
+            self.close_outbox(r.request_id)
         return requests
 
     def start(self) -> None:
@@ -312,10 +321,10 @@ class Engine:
         return emitted
 
     def _emit(self, request: Request, ids: list[int], text: str, logprobs: list, error: str | None = None) -> None:
-        box = self._outboxes.get(request.request_id)
-        if box is not None:
-            box.put(Update(request.request_id, ids, text, logprobs, request.finish_reason if request.finished else None,
-                           error))
+        sink = self._sinks.get(request.request_id)
+        if sink is not None:
+            sink(Update(request.request_id, ids, text, logprobs, request.finish_reason if request.finished else None,
+                        error))
         if request.finished:
             self._requests.pop(request.request_id, None)
             self._detok.pop(request.request_id, None)

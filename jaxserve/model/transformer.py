@@ -63,7 +63,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
     """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout)."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, hd/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]

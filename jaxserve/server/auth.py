@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from jaxserve.errors import JaxserveError
 
@@ -27,7 +28,7 @@ def load_token(token: str | None, token_file: str | None) -> str | None:
     return token
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses InferenceService calls without `authorization: Bearer <token>` (UNAUTHENTICATED).
 
     The comparison is constant-time, so response timing does not reveal how much of a guess was right.
@@ -36,9 +37,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
-                          details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
         if handler is None or not details.method.startswith(PROTECTED_PREFIX):  # type: ignore[attr-defined]
             return handler
         sent = dict(details.invocation_metadata).get("authorization", "")  # type: ignore[attr-defined]
@@ -51,8 +52,8 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
 
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_stream is not None:

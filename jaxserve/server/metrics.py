@@ -7,10 +7,14 @@ Prometheus scrapes. Each Metrics owns its registry: nothing global.
 
 from __future__ import annotations
 
+import hmac
+import threading
 from collections.abc import Callable, Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -94,9 +98,12 @@ class Metrics:
         if times:
             self.e2e.observe(times[-1] - request.submitted_at)
 
-    def serve(self, host: str, port: int) -> int:
-        """Serves /metrics over HTTP on a daemon thread; returns the bound port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, token: str | None = None) -> int:
+        """Serves /metrics over HTTP on a daemon thread, with `token` only to `authorization: Bearer <token>`;
+        returns the bound port."""
+        app = make_wsgi_app(self.registry)
+        self._http = make_server(host, port, _bearer(app, token) if token else app, _ThreadingServer, _QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="jaxserve-metrics", daemon=True).start()
         return int(self._http.server_port)
 
     def stop(self) -> None:
@@ -104,3 +111,25 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # every scrape would log a line
+        pass
+
+
+def _bearer(app: Any, token: str) -> Any:
+    """`app` behind `authorization: Bearer <token>` (compared in constant time); 401 otherwise."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        if hmac.compare_digest(environ.get("HTTP_AUTHORIZATION", "").encode(), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"send the header 'Authorization: Bearer <metrics token>'\n"]
+
+    return guarded

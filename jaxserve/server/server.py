@@ -5,21 +5,26 @@ and buckets compile; `attach` hands over a started engine and turns health SERVI
 (on SIGTERM) turns health NOT_SERVING for good, refuses new calls with UNAVAILABLE and gives
 in-flight calls up to the drain timeout; `stop` closes the ports. An engine fault turns health
 NOT_SERVING and is logged; the failed calls end with INTERNAL.
+
+The gRPC server is grpc.aio's, on an event loop of its own thread (see jaxserve.server.service); these methods
+are called from other threads and hand their work to that loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Coroutine
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -30,12 +35,11 @@ from jaxserve.server.auth import BearerTokenInterceptor, load_token
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.service import SERVICE_NAME, InferenceServicer
 from jaxserve.v1 import inference_pb2 as pb
-from jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 HEALTH_NAMES = ("", SERVICE_NAME)
-_EXTRA_WORKERS = 16  # threads beyond the admitted Generate calls, for Tokenize, GetModelInfo and reflection
+T = TypeVar("T")
 
 
 def _read(path: str, what: str) -> bytes:
@@ -62,24 +66,39 @@ class Server:
                  compilations: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics(model_name, **({"compilations": compilations} if compilations else {}))
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        for name in HEALTH_NAMES:
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.service = InferenceServicer(cfg, self.metrics)
-        token = load_token(cfg.auth_token, cfg.auth_token_file)
-        self._grpc = grpc.server(
-            ThreadPoolExecutor(max_workers=self.service.capacity + _EXTRA_WORKERS, thread_name_prefix="jaxserve-grpc"),
-            interceptors=[BearerTokenInterceptor(token)] if token else [],
-            options=[("grpc.max_receive_message_length", cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_InferenceServiceServicer_to_server(self.service, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, health.SERVICE_NAME,
-             reflection.SERVICE_NAME), self._grpc)
+        self._token = load_token(cfg.auth_token, cfg.auth_token_file)
+        self._metrics_token = load_token(cfg.metrics_auth_token, cfg.metrics_auth_token_file)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="jaxserve-grpc", daemon=True)
+        self._thread.start()
+        self.health = health_aio.HealthServicer()
+        self._grpc = self._call(self._build())
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.engine: Engine | None = None
+
+    async def _build(self) -> grpc.aio.Server:
+        server = grpc.aio.server(
+            interceptors=[BearerTokenInterceptor(self._token)] if self._token else [],
+            options=[("grpc.max_receive_message_length", self.cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
+        )
+        server.add_generic_rpc_handlers((self.service.handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["InferenceService"].full_name, health.SERVICE_NAME,
+             reflection.SERVICE_NAME), server)
+        for name in HEALTH_NAMES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return server
+
+    def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs `coroutine` on the server's loop and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _set_health(self, status: Any) -> None:
+        for name in HEALTH_NAMES:
+            self._call(self.health.set(name, status))
 
     def start(self) -> None:
         """Binds and starts serving health (NOT_SERVING) and metrics; Generate answers UNAVAILABLE until `attach`."""
@@ -92,9 +111,9 @@ class Server:
         if not port:
             raise JaxserveError(f"cannot listen on {address}; is the port taken?")
         self.port = port
-        self._grpc.start()
+        self._call(self._grpc.start())
         if self.cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port, self._metrics_token)
         log.info("gRPC on %s:%d (%s), metrics on %s", self.cfg.host, port, "TLS" if creds else "plaintext",
                  f"{self.cfg.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off")
 
@@ -105,18 +124,16 @@ class Server:
         self.service.attach(engine, info)
         self.metrics.watch(engine)
         if engine.fault is None:
-            for name in HEALTH_NAMES:
-                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     def _on_fault(self, error: BaseException) -> None:
         log.error("engine fault, health is NOT_SERVING from now on: %s: %s", type(error).__name__, error)
-        for name in HEALTH_NAMES:
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """NOT_SERVING, refuse new calls, wait for in-flight ones; True if all finished within the timeout."""
         timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
-        self.health.enter_graceful_shutdown()
+        self._call(self.health.enter_graceful_shutdown())
         self.service.begin_drain()
         start = time.perf_counter()
         finished = self.service.wait_idle(timeout_s)
@@ -128,15 +145,21 @@ class Server:
         return finished
 
     def stop(self, grace_s: float = 1.0) -> None:
-        self._grpc.stop(grace_s).wait()
+        if self._loop.is_closed():
+            return
+        self._call(self._grpc.stop(grace_s))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
         self.metrics.stop()
+        self.service.close()
 
 
 def model_info(model: Any, engine: Engine, cfg: ServerConfig, *, dtype: str) -> pb.ModelInfo:
     """GetModelInfo's answer for a LoadedModel served by `engine`."""
     tok = model.tokenizer
     return pb.ModelInfo(
-        source=model.source, architecture=model.config.architecture, vocab_size=model.config.vocab_size,
+        source=cfg.model_name, architecture=model.config.architecture, vocab_size=model.config.vocab_size,
         context_length=model.config.max_position_embeddings, max_sequence_length=engine.cfg.max_seq_len,
         max_tokens_limit=cfg.max_tokens_limit, max_stop_strings=cfg.max_stop_strings,
         max_logprobs=min(20, engine.cfg.max_logprobs), eos_token_ids=list(tok.eos_token_ids), dtype=dtype,
@@ -167,7 +190,7 @@ def serve(cfg: ServerConfig, load: Callable[[], tuple[Engine, pb.ModelInfo]], *,
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = Server(cfg, model_name=cfg.model or "embedded", compilations=compilations)
+    server = Server(cfg, model_name=cfg.model_name, compilations=compilations)
     server.start()
     log.info("listening on %s:%d; loading %s", cfg.host, server.port, cfg.model or "the embedded model")
     start = time.perf_counter()

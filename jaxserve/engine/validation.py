@@ -1,0 +1,165 @@
+"""The request checks of every surface (gRPC, HTTP, batch lines), in one place.
+
+Each surface maps its request onto these calls, passing the names its callers use for the fields;
+each failure is an `InvalidArgument` whose message names that field and its value, so a caller can
+fix it without reading code. Everything here runs before any tokenization or engine work that the
+request's size could make expensive: sizes are checked in bytes first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jaxserve.config import SamplingParams
+from jaxserve.errors import InputError
+
+DEFAULT_MAX_TOKENS = 64
+MAX_REQUEST_ID_BYTES = 256
+MAX_STOP_BYTES = 1024  # one stop string
+MAX_SEED = 2**32 - 1  # seeds key the sampler as uint32
+# Roles a chat may use; a template may know more, which it names as string literals (`Limits.roles`).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class InvalidArgument(InputError):
+    """A request field that can never be served as sent (INVALID_ARGUMENT over gRPC, 400 over HTTP)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What the served model and the server accept."""
+
+    vocab_size: int
+    context_length: int  # the model's
+    max_sequence_length: int  # one engine slot's
+    max_tokens_limit: int
+    max_stop_strings: int
+    max_logprobs: int
+    max_prompt_bytes: int  # a prompt's UTF-8 bytes, or all of a chat's contents together
+    max_messages: int
+    roles: tuple[str, ...] = CHAT_ROLES
+
+    @property
+    def room(self) -> int:
+        """Tokens one sequence may hold: prompt plus output."""
+        return min(self.context_length, self.max_sequence_length)
+
+
+def request_id(value: str, name: str = "request_id") -> str:
+    """The caller's request id, bounded: it is echoed on every chunk."""
+    size = len(value.encode())
+    if size > MAX_REQUEST_ID_BYTES:
+        raise InvalidArgument(f"{name} is {size} bytes; at most {MAX_REQUEST_ID_BYTES} (or leave it empty: the server "
+                              f"makes one)")
+    return value
+
+
+def prompt_text(text: Any, limits: Limits, name: str = "prompt") -> str:
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument(f"{name}={_show(text)} must be a non-empty string")
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.max_prompt_bytes:
+        raise InvalidArgument(f"{name} is {size} bytes; at most {limits.max_prompt_bytes} (max_prompt_bytes)")
+    return text
+
+
+def token_ids(ids: Any, limits: Limits, name: str = "token_ids") -> list[int]:
+    if not isinstance(ids, Sequence) or isinstance(ids, str) or not ids:
+        raise InvalidArgument(f"{name}={_show(ids)} must be a non-empty list of token ids")
+    if len(ids) > limits.room:
+        raise InvalidArgument(f"{name} has {len(ids)} tokens; this server holds at most {limits.room} per sequence")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < limits.vocab_size:
+            raise InvalidArgument(f"{name}[{i}]={_show(t)} is outside the vocabulary [0, {limits.vocab_size})")
+    return list(ids)
+
+
+def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[str, str]]:
+    """Chat messages as [{"role", "content"}], each role one the template knows, the contents within the prompt bytes."""
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name}={_show(value)} must be a non-empty list of {{role, content}} messages")
+    if len(value) > limits.max_messages:
+        raise InvalidArgument(f"{name} has {len(value)} messages; at most {limits.max_messages}")
+    size = 0
+    out = []
+    for i, m in enumerate(value):
+        role, content = m.get("role"), m.get("content")
+        if role not in limits.roles:
+            raise InvalidArgument(f"{name}[{i}].role={_show(role)} is not one of {', '.join(limits.roles)}")
+        if not isinstance(content, str):
+            raise InvalidArgument(f"{name}[{i}].content={_show(content)} must be a string")
+        size += len(content.encode("utf-8", "surrogatepass"))
+        out.append({"role": role, "content": content})
+    if size > limits.max_prompt_bytes:
+        raise InvalidArgument(f"{name} contents are {size} bytes; at most {limits.max_prompt_bytes} (max_prompt_bytes)")
+    return out
+
+
+def sampling(limits: Limits, *, max_tokens: Any = None, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+             seed: Any = 0, stop: Any = (), stop_token_ids: Any = (), ignore_eos: Any = False, logprobs: Any = 0,
+             names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from a request's values, each checked; `names` maps a parameter to the surface's field name
+    (default: the parameter's own)."""
+
+    def name(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if not _is_int(max_tokens) or not 1 <= max_tokens <= limits.max_tokens_limit:
+        raise InvalidArgument(f"{name('max_tokens')}={_show(max_tokens)} must be between 1 and {limits.max_tokens_limit}")
+    if not _is_number(temperature) or not 0 <= temperature < math.inf:  # NaN fails both
+        raise InvalidArgument(f"{name('temperature')}={_show(temperature)} must be a finite number >= 0 (0 is greedy)")
+    if not _is_int(top_k) or top_k < 0:
+        raise InvalidArgument(f"{name('top_k')}={_show(top_k)} must be an integer >= 0 (0 disables it)")
+    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidArgument(f"{name('top_p')}={_show(top_p)} must be in (0, 1]")
+    if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        raise InvalidArgument(f"{name('seed')}={_show(seed)} must be an integer in [0, {MAX_SEED}]")
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
+        raise InvalidArgument(f"{name('stop')}={_show(stop)} must be a string or a list of strings")
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidArgument(f"{name('stop')} has {len(stop)} strings; at most {limits.max_stop_strings} are allowed")
+    for i, s in enumerate(stop):
+        if not s or len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_BYTES:
+            raise InvalidArgument(f"{name('stop')}[{i}]={_show(s)} must have 1 to {MAX_STOP_BYTES} bytes")
+    if not isinstance(stop_token_ids, Sequence) or len(stop_token_ids) > limits.max_stop_strings:
+        raise InvalidArgument(f"{name('stop_token_ids')}={_show(stop_token_ids)} must be a list of at most "
+                              f"{limits.max_stop_strings} token ids")
+    for i, t in enumerate(stop_token_ids):
+        if not _is_int(t) or not 0 <= t < limits.vocab_size:
+            raise InvalidArgument(f"{name('stop_token_ids')}[{i}]={_show(t)} is outside the vocabulary "
+                                  f"[0, {limits.vocab_size})")
+    if not isinstance(ignore_eos, bool):
+        raise InvalidArgument(f"{name('ignore_eos')}={_show(ignore_eos)} must be true or false")
+    if not _is_int(logprobs) or not 0 <= logprobs <= limits.max_logprobs:
+        raise InvalidArgument(f"{name('logprobs')}={_show(logprobs)} must be between 0 and {limits.max_logprobs}")
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
+                          seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
+                          logprobs=logprobs)
+
+
+def fits(num_prompt: int, params: SamplingParams, limits: Limits, max_tokens_name: str = "max_tokens") -> None:
+    """Prompt plus max_tokens must fit the model's context and one engine slot."""
+    need = num_prompt + params.max_tokens
+    if need > limits.room:
+        raise InvalidArgument(
+            f"the prompt of {num_prompt} tokens plus {max_tokens_name}={params.max_tokens} is {need} tokens, "
+            f"more than the {limits.room} this server holds per sequence; shorten the prompt or lower {max_tokens_name}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _show(value: Any, width: int = 60) -> str:
+    """repr(value), cut to `width` characters: an error message never echoes a huge input."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width]}... ({len(text)} characters)"
