@@ -14,7 +14,6 @@ from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
 from jaxserve.server.server import Server, model_info
 from jaxserve.step import build_engine
-from jaxserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -220,9 +219,8 @@ def test_template_failures_are_one_line_invalid_arguments(server, smollm, caplog
         for template, message in (("{{ 1 / 0 }}", "ZeroDivisionError"),
                                   ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError")):
             tok.chat_template = template
-            with Client(f"127.0.0.1:{server.port}") as client:
-                with pytest.raises(grpc.RpcError) as error:
-                    client.complete(messages=[{"role": "user", "content": "hi"}])
+            with Client(f"127.0.0.1:{server.port}") as client, pytest.raises(grpc.RpcError) as error:
+                client.complete(messages=[{"role": "user", "content": "hi"}])
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in error.value.details() and "\n" not in error.value.details()
     finally:
