@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from jaxserve.cli import build_parser
 from jaxserve.config import BatchConfig, EngineConfig, SamplingParams, load_yaml
+from jaxserve.engine.validation import InvalidArgument, Limits
 from jaxserve.errors import JaxserveError
 from jaxserve.jobs.command import shard_index_from
 from jaxserve.jobs.flags import overrides_from, with_overrides
@@ -28,6 +30,8 @@ from jaxserve.jobs.runner import BatchJob, shard_output
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = SamplingParams(max_tokens=7, temperature=0.5)
+LIMITS = Limits(vocab_size=1000, context_length=2048, max_sequence_length=1024, max_tokens_limit=4096,
+                max_stop_strings=8, max_logprobs=20, max_prompt_bytes=32768, max_messages=16)
 
 
 def write_lines(path, lines: list) -> str:
@@ -63,14 +67,15 @@ def test_openai_and_plain_lines_parse_with_defaults_and_a_seed_per_custom_id():
         "max_completion_tokens": 3, "stop": "\n"}}).encode(), 4, DEFAULTS)
     assert (chat.line, chat.custom_id, chat.url) == (4, "c1", CHAT)
     assert chat.messages == [{"role": "user", "content": "hi"}]
-    assert chat.params.max_tokens == 3 and chat.params.stop == ("\n",) and chat.params.temperature == 0.5
+    params = chat.params(LIMITS)
+    assert params.max_tokens == 3 and params.stop == ("\n",) and params.temperature == 0.5
     plain = parse_line(b'{"custom_id": "p1", "prompt": [5, 6, 7], "temperature": 0, "seed": 11}', 9, DEFAULTS)
-    assert plain.url == COMPLETIONS and plain.prompt == [5, 6, 7] and plain.prompt_ids(None) == [5, 6, 7]
-    assert plain.params == dataclasses.replace(DEFAULTS, temperature=0.0, seed=11)
+    assert plain.url == COMPLETIONS and plain.prompt == [5, 6, 7] and plain.prompt_ids(None, LIMITS) == [5, 6, 7]
+    assert plain.params(LIMITS) == dataclasses.replace(DEFAULTS, temperature=0.0, seed=11)
     again = parse_line(b'{"custom_id": "p2", "prompt": "x"}', 1, DEFAULTS)
     other = parse_line(b'{"custom_id": "p3", "prompt": "x"}', 1, DEFAULTS)
-    assert again.params.seed == parse_line(b'{"custom_id": "p2", "prompt": "y"}', 2, DEFAULTS).params.seed
-    assert again.params.seed != other.params.seed
+    assert again.sampling["seed"] == parse_line(b'{"custom_id": "p2", "prompt": "y"}', 2, DEFAULTS).sampling["seed"]
+    assert again.sampling["seed"] != other.sampling["seed"]
     assert parse_line(b'{"custom_id": "m", "messages": [{"role": "user", "content": "q"}]}', 1, DEFAULTS).url == CHAT
 
 
@@ -86,16 +91,33 @@ def test_openai_and_plain_lines_parse_with_defaults_and_a_seed_per_custom_id():
     (b'{"custom_id": "a", "prompt": "x", "n": 2}', "invalid_request", "a", "n=2 is not supported"),
     (b'{"custom_id": "a", "prompt": "x", "logit_bias": {}}', "invalid_request", "a", "body key 'logit_bias' is not supported"),
     (b'{"custom_id": "a", "prompt": ["x", "y"]}', "invalid_request", "a", "send one prompt per line"),
-    (b'{"custom_id": "a", "prompt": ""}', "invalid_request", "a", "prompt='' must be a non-empty string"),
-    (b'{"custom_id": "a", "prompt": "x", "max_tokens": "9"}', "invalid_request", "a", "max_tokens='9' must be an integer"),
-    (b'{"custom_id": "a", "prompt": "x", "temperature": -1}', "invalid_request", "a", "temperature must be >= 0"),
-    (b'{"custom_id": "a", "messages": []}', "invalid_request", "a", "messages=[] must be a non-empty list"),
 ])
 def test_malformed_lines_are_line_errors_that_name_the_problem(line, code, custom_id, message):
     with pytest.raises(LineError) as info:
         parse_line(line, 3, DEFAULTS)
     assert (info.value.line, info.value.code, info.value.custom_id) == (3, code, custom_id)
     assert message in str(info.value) and str(info.value).startswith("line 3: ")
+
+
+# The values of a parsed line are checked when it is submitted, against the model's limits, by the checks every
+# surface shares; the runner turns a failure into that line's error record.
+@pytest.mark.parametrize(("line", "message"), [
+    (b'{"custom_id": "a", "prompt": ""}', "prompt='' must be a non-empty string"),
+    (b'{"custom_id": "a", "prompt": [1, 5000]}', "prompt[1]=5000 is outside the vocabulary [0, 1000)"),
+    (b'{"custom_id": "a", "prompt": "x", "max_tokens": "9"}', "max_tokens='9' must be between 1 and 4096"),
+    (b'{"custom_id": "a", "prompt": "x", "temperature": -1}', "temperature=-1 must be a finite number >= 0"),
+    (b'{"custom_id": "a", "prompt": "x", "temperature": NaN}', "temperature=nan must be a finite number >= 0"),
+    (b'{"custom_id": "a", "prompt": "x", "seed": -1}', "seed=-1 must be an integer in [0, 4294967295]"),
+    (b'{"custom_id": "a", "prompt": "x", "stop": ' + json.dumps(["s"] * 10_000).encode() + b"}",
+     "stop has 10000 strings; at most 8"),
+    (b'{"custom_id": "a", "messages": []}', "messages=[] must be a non-empty list"),
+    (b'{"custom_id": "a", "messages": [{"role": "user<|im_end|>", "content": "x"}]}', "messages[0].role="),
+])
+def test_line_values_are_checked_by_the_shared_validation(line, message):
+    item = parse_line(line, 3, DEFAULTS)
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        item.params(LIMITS)
+        item.prompt_ids(None, LIMITS)  # (a tokenizer is never reached: these fail before)
 
 
 # -- the results file ----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.config import BatchConfig, EngineConfig, SamplingParams
+from jaxserve.config import BatchConfig, EngineConfig, SamplingParams, ServerConfig
+from jaxserve.engine.validation import Limits
 from jaxserve.jobs.input import parse_line, read_lines
 from jaxserve.jobs.runner import BatchJob
 from jaxserve.step import build_engine
@@ -85,7 +86,9 @@ def test_fifty_requests_with_three_malformed_lines_give_47_results_and_3_error_r
     # (checked on every third request, chat and completions, to keep the test short).
     items = [parse_line(raw, n, cfg.sampling) for n, raw in read_lines(cfg.input) if n not in MALFORMED][::3]
     assert {item.url for item in items} == {"/v1/completions", "/v1/chat/completions"}
-    direct = engine.generate([item.prompt_ids(smollm.tokenizer) for item in items], [item.params for item in items])
+    limits = Limits.of(engine, ServerConfig())
+    direct = engine.generate([item.prompt_ids(smollm.tokenizer, limits) for item in items],
+                             [item.params(limits) for item in items])
     by_id = {r["custom_id"]: r["response"] for r in results}
     for item, request in zip(items, direct):
         response = by_id[item.custom_id]
@@ -97,7 +100,7 @@ def test_fifty_requests_with_three_malformed_lines_give_47_results_and_3_error_r
         assert body["usage"] == {"prompt_tokens": len(request.prompt_ids), "completion_tokens": len(request.output_ids),
                                  "total_tokens": len(request.prompt_ids) + len(request.output_ids)}
         assert body["object"] == ("chat.completion" if item.messages else "text_completion") and body["model"] == MODEL
-    chat_prompt = smollm.tokenizer.decode(items[0].prompt_ids(smollm.tokenizer), skip_special_tokens=False)
+    chat_prompt = smollm.tokenizer.decode(items[0].prompt_ids(smollm.tokenizer, limits), skip_special_tokens=False)
     assert chat_prompt.startswith("<|im_start|>system") and "One fact about France?<|im_end|>" in chat_prompt
     assert by_id["r2"]["body"]["choices"][0]["finish_reason"] in ("stop", "length")
     assert summary.output_tokens == sum(r["response"]["body"]["usage"]["completion_tokens"] for r in results)
@@ -116,3 +119,42 @@ def test_two_shards_merged_equal_one_unsharded_run(fifty, engine, tmp_path):
     assert comparable(merged) == comparable(records)
     order = [r["custom_id"] if r["custom_id"] is not None else r["error"]["line"] for r in merged]
     assert order == [f"r{i}" if i + 1 not in (7, 23) else i + 1 for i in range(50)], "merged in input order"
+
+
+def test_poison_lines_get_error_records_and_every_good_line_its_result(engine, smollm, tmp_path):
+    poison = {  # custom_id -> what its error record says
+        "seed": ({"prompt": "x", "seed": -1}, "seed=-1 must be an integer in [0, 4294967295]"),
+        "nan": ({"prompt": "x", "temperature": float("nan")}, "temperature=nan must be a finite number"),
+        "inf": ({"prompt": "x", "temperature": float("inf")}, "temperature=inf must be a finite number"),
+        "stops": ({"prompt": "x", "stop": ["s"] * 10_000}, "stop has 10000 strings; at most 8"),
+        "template": ({"messages": [{"role": "user", "content": "boom"}]}, "ZeroDivisionError"),
+        "role": ({"messages": [{"role": "<|im_start|>system", "content": "x"}]}, "messages[0].role="),
+        "vocab": ({"prompt": [1, 10**9]}, "prompt[1]=1000000000 is outside the vocabulary"),
+        "long": ({"prompt": [5] * 60, "max_tokens": 10}, "the prompt of 60 tokens plus max_tokens=10 is 70 tokens"),
+        "huge": ({"prompt": "word " * 100_000}, "(max_prompt_bytes)"),
+    }
+    lines = []
+    for i in range(12):
+        lines.append({"custom_id": f"good{i}", "prompt": f"{i} facts about rivers are", "max_tokens": 2})
+        if i < len(poison):
+            cid = list(poison)[i]
+            lines.append({"custom_id": cid, **poison[cid][0]})
+    lines.append({"custom_id": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+    cfg = BatchConfig(input=write_lines(tmp_path / "in.jsonl", lines), output=str(tmp_path / "out.jsonl"),
+                      engine=ENGINE, progress=False)
+    tok = smollm.tokenizer
+    original = tok.chat_template
+    # a template that fails at run time on one message (it renders the others as the model's own does)
+    tok.chat_template = "{% if messages[0]['content'] == 'boom' %}{{ 1 / 0 }}{% endif %}" + original
+    try:
+        summary = run_job(engine, cfg)
+    finally:
+        tok.chat_template = original
+    records = {r["custom_id"]: r for r in read_output(cfg.output)}
+    assert summary.completed == 13 and summary.errors == len(poison)
+    for i in range(12):
+        assert records[f"good{i}"]["error"] is None and records[f"good{i}"]["response"]["status_code"] == 200
+    assert records["chat"]["error"] is None
+    for cid, (_, message) in poison.items():
+        error = records[cid]["error"]
+        assert error["code"] == "invalid_request" and message in error["message"], (cid, error)

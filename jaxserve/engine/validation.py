@@ -42,6 +42,14 @@ class Limits:
     max_messages: int
     roles: tuple[str, ...] = CHAT_ROLES
 
+    @classmethod
+    def of(cls, engine: Any, server: Any) -> Limits:
+        """The limits of `engine` (a jaxserve Engine) under `server`'s (a ServerConfig's) request limits."""
+        return cls(vocab_size=engine.vocab_size, context_length=engine.context_len,
+                   max_sequence_length=engine.cfg.max_seq_len, max_tokens_limit=server.max_tokens_limit,
+                   max_stop_strings=server.max_stop_strings, max_logprobs=min(20, engine.cfg.max_logprobs),
+                   max_prompt_bytes=server.prompt_bytes_limit(engine.cfg.max_seq_len), max_messages=server.max_messages)
+
     @property
     def room(self) -> int:
         """Tokens one sequence may hold: prompt plus output."""
@@ -86,6 +94,8 @@ def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[st
     size = 0
     out = []
     for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise InvalidArgument(f"{name}[{i}]={_show(m)} must be a {{role, content}} object")
         role, content = m.get("role"), m.get("content")
         if role not in limits.roles:
             raise InvalidArgument(f"{name}[{i}].role={_show(role)} is not one of {', '.join(limits.roles)}")

@@ -24,6 +24,7 @@ from typing import Any
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import SamplingParams
+from jaxserve.engine import validation
 from jaxserve.errors import JaxserveError
 
 COMPLETIONS = "/v1/completions"
@@ -49,22 +50,28 @@ class LineError(JaxserveError):
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """One parsed input line."""
+    """One parsed input line: its fields as sent, checked against the served model's limits when it is submitted
+    (`prompt_ids`, `params`), by the checks every surface shares (jaxserve.engine.validation)."""
 
     line: int
     custom_id: str
     url: str  # COMPLETIONS or CHAT
-    prompt: str | list[int] | None  # completions
-    messages: list[dict[str, str]] | None  # chat
-    params: SamplingParams
+    prompt: Any  # completions: text or token ids
+    messages: Any  # chat: [{role, content}]
+    sampling: dict[str, Any]  # SamplingParams' fields, the job's defaults where the line leaves them out
 
-    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+    def prompt_ids(self, tokenizer: Tokenizer, limits: validation.Limits) -> list[int]:
         """The prompt's token ids: encoded text, the ids as given, or the rendered chat."""
         if self.messages is not None:
-            return tokenizer.encode_chat(self.messages)
+            chat = validation.messages(self.messages, limits)
+            return tokenizer.encode_chat(chat, max_bytes=2 * limits.max_prompt_bytes)
         if isinstance(self.prompt, str):
-            return tokenizer.encode(self.prompt)
-        return list(self.prompt or [])
+            text = validation.prompt_text(self.prompt, limits)
+            return tokenizer.encode(text)
+        return validation.token_ids(self.prompt, limits, "prompt")
+
+    def params(self, limits: validation.Limits) -> SamplingParams:
+        return validation.sampling(limits, **self.sampling)
 
 
 def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -149,10 +156,10 @@ def parse_line(raw: bytes, line: int, defaults: SamplingParams) -> BatchRequest:
         raise LineError(line, "invalid_request", f"custom_id={cid!r} must be a non-empty string")
     try:
         url, body = _envelope(obj)
-        params = _sampling(body, url, cid, defaults)
+        sampling = _sampling(body, url, cid, defaults)
         if url == COMPLETIONS:
-            return BatchRequest(line, cid, url, _prompt(body), None, params)
-        return BatchRequest(line, cid, url, None, _messages(body), params)
+            return BatchRequest(line, cid, url, _prompt(body), None, sampling)
+        return BatchRequest(line, cid, url, None, _messages(body), sampling)
     except JaxserveError as e:
         raise LineError(line, "invalid_request", str(e), cid) from None
 
@@ -175,33 +182,20 @@ def _envelope(obj: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return url, envelope_body
 
 
-def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams) -> SamplingParams:
+def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams) -> dict[str, Any]:
+    """The line's sampling fields by SamplingParams' names over the job's defaults; their values are checked with the
+    model's limits when the line is submitted."""
     prompt_key = "prompt" if url == COMPLETIONS else "messages"
     values: dict[str, Any] = {}
     for key, value in body.items():
-        if key == prompt_key or key in _IGNORED_KEYS:
+        if key == prompt_key or key in _IGNORED_KEYS or value is None:
             continue
         if key in _INT_KEYS:
-            if value is not None:
-                if type(value) is not int:
-                    raise JaxserveError(f"{key}={value!r} must be an integer")
-                values[_INT_KEYS[key]] = value
-        elif key in _FLOAT_KEYS:
-            if value is not None:
-                if type(value) not in (int, float):
-                    raise JaxserveError(f"{key}={value!r} must be a number")
-                values[key] = float(value)
-        elif key == "stop":
-            stops = [value] if isinstance(value, str) else value or []
-            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-                raise JaxserveError(f"stop={value!r} must be a string or a list of strings")
-            values["stop"] = tuple(stops)
-        elif key == "ignore_eos":
-            if type(value) is not bool:
-                raise JaxserveError(f"ignore_eos={value!r} must be true or false")
-            values["ignore_eos"] = value
+            values[_INT_KEYS[key]] = value
+        elif key in (*_FLOAT_KEYS, "stop", "ignore_eos"):
+            values[key] = value
         elif key in _DEFAULT_ONLY:
-            if value is not None and value != _DEFAULT_ONLY[key]:
+            if value != _DEFAULT_ONLY[key]:
                 raise JaxserveError(f"{key}={value!r} is not supported by jaxserve batch; leave it out or set it to "
                                     f"{json.dumps(_DEFAULT_ONLY[key])}")
         else:
@@ -209,30 +203,22 @@ def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams
             raise JaxserveError(f"body key {key!r} is not supported; jaxserve batch reads {', '.join(known)}")
     if "seed" not in values:  # reproducible per request, and independent across requests
         values["seed"] = (defaults.seed + zlib.crc32(cid.encode())) % 2**32
-    return dataclasses.replace(defaults, **values)
+    return {**dataclasses.asdict(defaults), **values}
 
 
-def _prompt(body: dict[str, Any]) -> str | list[int]:
+def _prompt(body: dict[str, Any]) -> Any:
     prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-        return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, str) for t in prompt):
         raise JaxserveError(f"prompt is a list of {len(prompt)} strings; send one prompt per line")
-    raise JaxserveError(f"prompt={prompt!r} must be a non-empty string or a non-empty list of token ids")
+    return prompt
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> Any:
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise JaxserveError(f"messages={messages!r} must be a non-empty list of {{role, content}} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise JaxserveError(f"messages[{i}]={m!r} needs a non-empty string role")
-        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
-    return out
+    if isinstance(messages, list):
+        return [{**m, "content": _content(m.get("content"), i)} if isinstance(m, dict) else m
+                for i, m in enumerate(messages)]
+    return messages
 
 
 def _content(content: Any, i: int) -> str:

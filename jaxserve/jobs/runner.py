@@ -21,7 +21,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from jaxserve.config import BatchConfig
+from jaxserve.config import BatchConfig, ServerConfig
+from jaxserve.engine import validation
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request
 from jaxserve.errors import InputError, JaxserveError
@@ -130,6 +131,7 @@ class BatchJob:
         bar = tqdm(total=self.todo, unit="req", desc=f"shard {self.shard_index}", file=out, dynamic_ncols=True,
                    disable=not self.cfg.progress, mininterval=0.5 if out.isatty() else 30.0, smoothing=0.05)
         created = int(time.time())
+        limits = validation.Limits.of(engine, ServerConfig())  # a server's default request limits
         in_flight: dict[str, tuple[BatchRequest, Request]] = {}
         pending = self._pending()
         exhausted = False
@@ -146,9 +148,12 @@ class BatchJob:
                         records.append(error_record(item.line, item.code, str(item), item.custom_id))
                     else:
                         try:
-                            request = engine.submit(item.prompt_ids(engine.tokenizer), item.params)
-                        except InputError as e:
-                            records.append(error_record(item.line, "invalid_request", f"line {item.line}: {e}",
+                            request = self._submit(engine, item, limits)
+                        except Exception as e:  # the line's own failure: validation, template, tokenizer, engine
+                            if engine.fault is not None:
+                                raise
+                            message = str(e) if isinstance(e, InputError) else f"{type(e).__name__}: {e}"
+                            records.append(error_record(item.line, "invalid_request", f"line {item.line}: {message}",
                                                         item.custom_id))
                         else:
                             in_flight[request.request_id] = (item, request)
@@ -187,6 +192,13 @@ class BatchJob:
             self.results.sync()
             bar.close()
         return stats
+
+    @staticmethod
+    def _submit(engine: Engine, item: BatchRequest, limits: validation.Limits) -> Request:
+        ids = item.prompt_ids(engine.tokenizer, limits)
+        params = item.params(limits)
+        validation.fits(len(ids), params, limits)
+        return engine.submit(ids, params)
 
     def close(self) -> None:
         self.results.close()

@@ -83,11 +83,7 @@ class InferenceServicer:
 
     def attach(self, engine: Engine, info: pb.ModelInfo) -> None:
         self.info = info
-        self.limits = Limits(vocab_size=engine.vocab_size, context_length=engine.context_len,
-                             max_sequence_length=engine.cfg.max_seq_len, max_tokens_limit=self.cfg.max_tokens_limit,
-                             max_stop_strings=self.cfg.max_stop_strings, max_logprobs=min(20, engine.cfg.max_logprobs),
-                             max_prompt_bytes=self.cfg.prompt_bytes_limit(engine.cfg.max_seq_len),
-                             max_messages=self.cfg.max_messages)
+        self.limits = Limits.of(engine, self.cfg)
         self.engine = engine
 
     def handlers(self) -> grpc.GenericRpcHandler:
