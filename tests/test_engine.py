@@ -266,3 +266,18 @@ def test_padding_tokens_write_only_the_padding_page(small):
                       jnp.asarray([[1, 0]]), cache, attention="reference")
         k = np.asarray(out.cache.k[0])
         assert np.abs(k[:, 1]).any() == ok and np.abs(k[:, 3]).any() != ok and not np.abs(k[:, [0, 2]]).any()
+
+
+def test_a_request_still_waiting_at_its_deadline_is_dropped_unscheduled(alone_small):
+    import time
+
+    engine = alone_small
+    steps = engine.stats.steps
+    late = engine.submit([5, 6, 7], SamplingParams(max_tokens=4), deadline=time.monotonic() - 1)
+    on_time = engine.submit([5, 6, 7], SamplingParams(max_tokens=4), deadline=time.monotonic() + 600)
+    engine.run_until_done()
+    assert (late.finish_reason, late.output_ids, late.num_computed) == ("abort", [], 0)
+    assert (on_time.finish_reason, len(on_time.output_ids)) == ("length", 4)
+    assert engine.stats.steps - steps <= 5, "only the request on time was run"
+    for r in (late, on_time):
+        engine.close_outbox(r.request_id)

@@ -93,13 +93,15 @@ class Engine:
 
     # -- the public surface ------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None, *,
-               priority: int = 0, on_update: Callable[[Update], None] | None = None) -> Request:
+               priority: int = 0, on_update: Callable[[Update], None] | None = None,
+               deadline: float | None = None) -> Request:
         """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`, or, with
         `on_update`, are passed to it on the engine thread (it must not block: an asyncio server hands them to
         its loop).
 
-        Lower `priority` values are admitted first; equal ones in order of arrival. After a fault
-        the engine takes nothing more: submit raises RuntimeError.
+        Lower `priority` values are admitted first; equal ones in order of arrival. A request still waiting at its
+        `deadline` (time.monotonic()) is dropped unscheduled, as if cancelled. After a fault the engine takes nothing
+        more: submit raises RuntimeError.
         """
         if self.fault is not None:
             raise RuntimeError(f"the engine stopped after a fault: {type(self.fault).__name__}: {self.fault}")
@@ -115,7 +117,7 @@ class Engine:
             )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
-                          frozenset(stop_ids), priority=priority)
+                          frozenset(stop_ids), priority=priority, deadline=deadline)
         self.scheduler.check_fits(request)
         if on_update is None:
             box: queue.SimpleQueue[Update] = queue.SimpleQueue()
@@ -218,6 +220,7 @@ class Engine:
         its own pages and whose result is dropped.
         """
         self._drain_inbox()
+        self._drop_expired()
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         planned = time.perf_counter()
@@ -227,6 +230,14 @@ class Engine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._complete(previous)
+
+    def _drop_expired(self) -> None:
+        """Aborts the waiting requests past their deadline: their callers are gone, and a prefill for them would
+        cost the others a step (the cancellation their call sends may not have arrived yet)."""
+        now = time.monotonic()
+        for request in [r for r in self.scheduler.waiting if r.deadline is not None and r.deadline <= now]:
+            self.scheduler.abort(request)
+            self._emit(request, [], "", [])
 
     @property
     def busy(self) -> bool:

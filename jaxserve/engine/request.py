@@ -35,6 +35,7 @@ class Request:
     arrival: int  # order of arrival; later arrivals are preempted first
     stop_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower is admitted first
+    deadline: float | None = None  # time.monotonic() past which the caller no longer waits: never scheduled after it
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     state: State = State.WAITING

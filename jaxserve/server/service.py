@@ -137,12 +137,14 @@ class InferenceServicer:
         loop = asyncio.get_running_loop()
         buffer: asyncio.Queue[Update] = asyncio.Queue()
         buffered = [0]  # tokens delivered and not yet written
+        overflowed = []
 
         def deliver(update: Update) -> None:  # on the loop
             buffered[0] += len(update.token_ids)
             if update.finish_reason is not None:
                 self._release(engine_id)  # the engine is done with it, whether or not its client has read it
-            elif buffered[0] > self.cfg.stream_buffer_tokens:
+            elif buffered[0] > self.cfg.stream_buffer_tokens and not overflowed:
+                overflowed.append(True)
                 engine.cancel(engine_id)  # (its place is released by the update that ends it)
             buffer.put_nowait(update)
 
@@ -152,7 +154,9 @@ class InferenceServicer:
 
         try:
             try:
-                submitted = engine.submit(ids, params, engine_id, priority=request.priority, on_update=on_update)
+                remaining = context.time_remaining()
+                submitted = engine.submit(ids, params, engine_id, priority=request.priority, on_update=on_update,
+                                          deadline=None if remaining is None else time.monotonic() + remaining)
             except InputError as e:
                 await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
             self.metrics.prompt_tokens.inc(len(ids))
@@ -167,9 +171,12 @@ class InferenceServicer:
                         await _abort(context, grpc.StatusCode.UNAVAILABLE,
                                      f"the server shut down after its drain timeout of {self.cfg.drain_timeout_s} s "
                                      "before the request finished")
-                    await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"the stream fell more than stream_buffer_tokens={self.cfg.stream_buffer_tokens} "
-                                 "tokens behind: read it faster")
+                    if overflowed:
+                        await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"the stream fell more than stream_buffer_tokens={self.cfg.stream_buffer_tokens} "
+                                     "tokens behind: read it faster")
+                    await _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 "the deadline passed before the request was scheduled")
                 if update.token_ids:
                     if first:
                         self.metrics.first_token(submitted)
