@@ -137,7 +137,7 @@ class InferenceServicer:
         loop = asyncio.get_running_loop()
         buffer: asyncio.Queue[Update] = asyncio.Queue()
         buffered = [0]  # tokens delivered and not yet written
-        overflowed = []
+        overflowed: list[bool] = []  # set once the stream has fallen too far behind
 
         def deliver(update: Update) -> None:  # on the loop
             buffered[0] += len(update.token_ids)
