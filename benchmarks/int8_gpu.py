@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import ring_probes  # noqa: E402
 from benchmarks.common import ClockLog, record, repeated, timed  # noqa: E402
 from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig, QuantConfig  # noqa: E402
@@ -153,14 +152,6 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def parse_tiling(text: str) -> tuple[qmm_gpu.BlockSizes, str | None]:
-    """"default" or "stages=6,block_n=64,float16=false": the kernel's BlockSizes with these fields set, and the ring
-    step stand-in named by a field probe=... (benchmarks/ring_probes.py; None: the real ring step)."""
-    fields = dict(item.split("=") for item in text.split(",") if item != "default")
-    probe = fields.pop("probe", None)
-    return qmm_gpu.BlockSizes(**{name: option_value(value) for name, value in fields.items()}), probe
-
-
 def device_seconds(fn, args, reps: int = 20) -> float:
     """Device time of one call of fn(*args): all its kernels, from a profile of `reps` calls after a first."""
     from benchmarks.kernels_gpu import kernel_seconds
@@ -170,46 +161,6 @@ def device_seconds(fn, args, reps: int = 20) -> float:
     if not seconds:
         raise RuntimeError("the profile holds no GPU kernels (the tiling sweep needs a GPU)")
     return seconds / reps
-
-
-def tiling_sweep(cfg: ModelConfig, out: str, tilings: list[str], rows: int = 8) -> list[dict]:
-    """Device time of each decode product of the model (`rows` activation rows, already a multiple of the kernel's 8, as
-    the decode step passes them), by tiling, from a profile: the kernel and the sum of its k splits, no launch or host
-    time. The whole step's products are summed (32 of each layer product and the head) against the device copy."""
-    from benchmarks.kernels_gpu import copy_bandwidth_device
-
-    copy_bw = copy_bandwidth_device()
-    shapes = {name: (n, k, cfg.num_layers) for name, (n, k) in layer_products(cfg).items()}
-    shapes["head"] = (cfg.vocab_size, cfg.hidden_size, 1)
-    key = jax.random.PRNGKey(2)
-    x = jax.random.normal(key, (rows, max(k for _, k, _ in shapes.values())), jnp.float32).astype(jnp.bfloat16)
-    table, records = [], []
-    for tiling in tilings:
-        bs, probe = parse_tiling(tiling)
-        total_s, total_bytes, parts = 0.0, 0, []
-        for name, (n, k, count) in shapes.items():
-            values = jax.random.randint(key, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
-            scales = jnp.full((1, n), 1 / 127, jnp.float32)
-            args = (jax.block_until_ready(x[:, :k]), values, scales)
-            try:
-                with ring_probes.probe(probe):  # the jit traces on its first call, inside device_seconds
-                    seconds = device_seconds(jax.jit(functools.partial(qmm_gpu.quantized_matmul, block_sizes=bs)), args)
-            except Exception as e:  # noqa: BLE001  (a tiling the shape does not take)
-                print(f"  {tiling} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                total_s = float("nan")
-                continue
-            total_s += seconds * count
-            total_bytes += n * k * count
-            parts.append(f"{name} {seconds * 1e6:.1f} us ({n * k / seconds / copy_bw:.0%})")
-            records.append(record(out, "int8_matmul_device", {"layer": name, "n": n, "k": k, "m": rows,
-                                                              "tiling": tiling}, "GB/s", n * k / seconds / 1e9, "GB/s",
-                                  "device copy (read + write)", copy_bw / 1e9))
-        line = (f"tiling {tiling:<28} products of a step {total_s * 1e3:6.3f} ms = {total_bytes / total_s / copy_bw:5.1%}"
-                f" of the copy; " + ", ".join(parts))
-        print(line, flush=True)
-        table.append(line)
-    print("\n".join(table))
-    return records
 
 
 def main() -> None:
@@ -223,21 +174,11 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--variants", default="bfloat16,int8,int8_xla",
                     help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_megakernel (batch "
-                         "1: the engine's decode_megakernel step), and int8@TILING: the kernel with another tiling, "
-                         "fields joined by '+' (int8@block_k=128+stages=4)")
+                         "1: the engine's decode_megakernel step)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
-    ap.add_argument("--tilings", default="", help="semicolon-separated kernel tilings to time on the decode products "
-                                                  "by profile, e.g. 'default;stages=6;block_n=64' (then exits)")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quicker A/B of tilings)")
-    ap.add_argument("--processes", type=int, default=1,
-                    help="run the decode timings in this many fresh processes one after another and record the median "
-                         "of their ratios (int8's step time moved by 6 %% from one process to the next on one machine)")
-    ap.add_argument("--compiler-options", default="",
-                    help="XLA options for every decode step, e.g. xla_gpu_enable_pdl=true,xla_gpu_enable_pdl_launch=true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.processes < 1:
-        ap.error(f"--processes must be at least 1, got {args.processes}")
     cfg = SMOKE if args.smoke else LLAMA_8B
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
@@ -249,15 +190,8 @@ def main() -> None:
     base = {"model": model, "context": args.context, "steps": args.steps}
     if args.page_size != PAGE_SIZE:
         base["page_size"] = args.page_size
-    options = parse_options(args.compiler_options)
-    if options:
-        base["compiler_options"] = options
-    if args.processes > 1:
-        return across_processes(args, out, base)
     print(f"{jax.devices()[0]} jax {jax.__version__}; writing {out}", flush=True)
 
-    if args.tilings:
-        return print_table(tiling_sweep(cfg, out, args.tilings.split(";")))
     rows = [] if args.skip_kernel else kernel_checks(cfg, out, args.smoke)
 
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -272,24 +206,17 @@ def main() -> None:
     named = {"bfloat16": bf16, "int8": int8, "int8_xla": with_backend(int8, "reference")}
     if "int8_megakernel" in args.variants.split(","):  # the engine's decode_megakernel (one row): layers stacked
         named["int8_megakernel"] = (int8, stack_layers(cfg, int8.layers))
-    variants = {name: named["int8" if name.startswith("int8@") else name] for name in args.variants.split(",")}
+    variants = {name: named[name] for name in args.variants.split(",")}
     for batch in batches:
         steps = {}  # every variant compiled first, then their timings alternate (a slow spell hits them all)
         for name, weights in variants.items():
             try:
-                bs, probe = (parse_tiling(name.split("@", 1)[1].replace("+", ",")) if name.startswith("int8@")
-                             else (qmm_gpu.BlockSizes(), None))
-                qmm_gpu.DEFAULT_BLOCK_SIZES = bs  # read when the step is traced
-                with ring_probes.probe(probe):
-                    steps[name] = decode_step(cfg, weights, batch, args.context, options or None,
-                                              page_size=args.page_size)
+                steps[name] = decode_step(cfg, weights, batch, args.context, page_size=args.page_size)
             except Exception as e:  # the other variants still run; the failure is kept with the results
                 traceback.print_exc()
                 rows.append(record(out, "int8_decode_error", {**base, "batch": batch, "weights": name,
                                                               "error": f"{type(e).__name__}: {e}"[:500]},
                                    "compiled", 0.0, "1"))
-            finally:
-                qmm_gpu.DEFAULT_BLOCK_SIZES = qmm_gpu.BlockSizes()
         times = {name: [] for name in steps}
         with ClockLog() as clocks:  # the SM clock while the timings run (int8's products move with it)
             for _ in range(args.reps):
@@ -318,29 +245,6 @@ def main() -> None:
     print_table(rows)
 
 
-def option_value(text: str) -> bool | int | float | str:
-    """"true"/"false" as booleans, numbers as numbers, anything else as it is."""
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_options(text: str) -> dict:
-    """"name=true,other=3": XLA compiler options (values as option_value reads them)."""
-    options = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if not value:
-            raise SystemExit(f"--compiler-options: {item!r} is not name=value")
-        options[name] = option_value(value)
-    return options
-
-
 def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -> list[dict]:
     """One more step of every variant run on the Pallas kernels ("int8", "int8@..."), its logits against the first
     one's: every variant has taken the same steps from the same state, so variants that differ only in how their
@@ -359,44 +263,6 @@ def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -
         rows.append(record(out, "int8_decode_logits_difference", {**config, "weights": name, "against": names[0]},
                            "max_abs_difference", diff, "1"))
     return rows
-
-
-def across_processes(args: argparse.Namespace, out: str, base: dict) -> None:
-    """Runs this script's decode timings (--skip-kernel) in `args.processes` fresh processes, one after another,
-    then records in `out` for each batch and variant the median ratio to bfloat16 over the processes, with every
-    process's ratio: where the buffers land differs from one process to the next, and int8's step time moves with
-    it. `base`: the config every row of this run carries."""
-    import json
-    import subprocess
-    import tempfile
-
-    if "bfloat16" not in args.variants.split(","):
-        raise SystemExit(f"--processes compares with bfloat16, which --variants={args.variants!r} leaves out")
-    per_process: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.processes):
-            path = os.path.join(tmp, f"{i}.jsonl")
-            cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--processes", "1", "--skip-kernel",
-                   "--out", path]
-            print(f"process {i + 1} of {args.processes}", flush=True)
-            subprocess.run(cmd, check=True)
-            with open(path) as f:
-                for row in map(json.loads, f):
-                    if row["benchmark"].startswith("int8_decode_batch") and row.get("ratio"):
-                        key = (row["config"]["batch"], row["config"]["weights"])
-                        per_process.setdefault(key, []).append((row["value"], row["ratio"]))
-    if not per_process:
-        raise SystemExit("no process recorded a ratio to bfloat16 (see their output above)")
-    rows = []
-    for (batch, weights), runs in sorted(per_process.items()):
-        ratios = [r for _, r in runs]
-        median = float(np.median(ratios))
-        config = {**base, "batch": batch, "weights": weights, "processes": len(runs),
-                  "ratios": [round(r, 4) for r in ratios], "tokens_per_s": [round(v, 2) for v, _ in runs]}
-        rows.append(record(out, f"int8_decode_batch{batch}_across_processes", config, "ratio_to_bfloat16", median,
-                           "x"))
-        print(f"batch {batch} {weights}: median ratio {median:.3f} over {len(runs)} processes {ratios}", flush=True)
-    print_table(rows)
 
 
 def print_table(rows: list[dict]) -> None:

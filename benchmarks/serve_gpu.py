@@ -9,6 +9,8 @@ the same run.
 
     PYTHONPATH=. python3 benchmarks/serve_gpu.py [--config k8s/overlays/gpu/serve.yaml] [--model random:llama3-8b]
         [--clients 256 --input-len 1000 --output-len 1000] [--log-dir DIR]
+    .venv/bin/python benchmarks/serve_gpu.py --config configs/serve.yaml --model embedded --clients 32 \
+        --input-len 128 --output-len 64 --client-processes 2 --out benchmarks/results/serve_cpu.jsonl   # on a CPU
 
 The model is replaced (a random one of real shape: no checkpoint travels to the lent GPU), and so are the ports
 and the cache directory; the rest is the config as shipped. XLA_PYTHON_CLIENT_MEM_FRACTION is 0.95, as the GPU
@@ -166,7 +168,9 @@ def main() -> None:
     with open(os.path.join(REPO, args.config)) as f:
         cfg = yaml.safe_load(f)
     port = free_port()
-    cfg.update(model=args.model, host="127.0.0.1", port=port, metrics_port=None)
+    cfg.update(host="127.0.0.1", port=port, metrics_port=None)
+    if args.model != "embedded":
+        cfg["model"] = args.model
     cfg.setdefault("engine", {})["compilation_cache_dir"] = os.path.join(work, "xla")
     config = os.path.join(work, "serve.yaml")
     with open(config, "w") as f:
@@ -195,11 +199,9 @@ def main() -> None:
         import random
 
         rng = random.Random(0)
-        vocab = 128256 if "llama3" in args.model else None
-        if vocab is None:
-            from jaxserve.checkpoint.random_model import preset
+        from jaxserve.checkpoint.random_model import preset
 
-            vocab = preset(args.model).vocab_size
+        vocab = 49152 if args.model == "embedded" else preset(args.model).vocab_size
         prompts = [[rng.randrange(vocab - 1) for _ in range(args.input_len)] for _ in range(args.clients)]
         server = ServeProcess(config, port, os.path.join(logs, "serve_load.log"))
         start_s = server.wait_serving(1200)
@@ -208,7 +210,8 @@ def main() -> None:
         over_grpc = grpc_load(server.address, prompts, args.output_len, args.client_processes)
         code, exit_s = server.terminate()
         print(f"gRPC: {over_grpc}; exit {code} after {exit_s:.1f} s", flush=True)
-        bench = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--config", config, "--model", args.model,
+        model = [] if args.model == "embedded" else ["--model", args.model]
+        bench = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--config", config, *model,
                                 "--num-requests", str(args.clients), "--input-len", str(args.input_len),
                                 "--output-len", str(args.output_len), "--json"], cwd=REPO, env=ENV,
                                capture_output=True, text=True, timeout=1800)

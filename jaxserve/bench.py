@@ -11,10 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from jaxserve import launch
 from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams
 from jaxserve.engine.engine import Engine
-from jaxserve.step import build_engine, chunks_for, release_followers, sequence_parallel_chunks
+from jaxserve.step import chunks_for, release_followers, sequence_parallel_chunks
 
 
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,
@@ -52,11 +53,14 @@ def _geometric(low: int, high: int, ratio: float) -> tuple[int, ...]:
 
 
 def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len: int,
-              cfg: EngineConfig | None = None, seed: int = 0) -> dict[str, Any]:
-    """Builds an engine for the load, then runs it (`run_load`); adds the build's seconds as compile_s."""
+              cfg: EngineConfig | None = None, seed: int = 0) -> dict[str, Any] | None:
+    """Builds an engine for the load, then runs it (`run_load`); adds the build's seconds as compile_s. A follower
+    of a multi-host group runs the leader's steps instead and gets None."""
     cfg = cfg or bench_config(num_requests, input_len, output_len)
     compile_start = time.perf_counter()
-    engine = build_engine(model, cfg)
+    engine = launch.engine_or_follow(model, cfg)
+    if engine is None:
+        return None
     compile_s = time.perf_counter() - compile_start
     try:
         return {**run_load(engine, num_requests, input_len, output_len, seed), "compile_s": compile_s}

@@ -11,15 +11,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxserve import launch
 from jaxserve.errors import InputError, JaxserveError
 
 log = logging.getLogger("jaxserve")
-
-
-def _default_dtype() -> str:
-    import jax
-
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -85,44 +80,21 @@ def parallel_from_args(args: argparse.Namespace, base: Any = None) -> Any:
     return dataclasses.replace(base or ParallelConfig(), **given)
 
 
-def start_distributed(args: argparse.Namespace, base: Any = None) -> bool:
-    """Joins the multi-host group from `base` (a DistributedConfig), the flags and the environment; True
-    when there is more than one process. Call it before anything else asks JAX for devices."""
-    import os
-
-    from jaxserve.config import DistributedConfig
-    from jaxserve.parallel.distributed import initialize
-
-    given = {name: getattr(args, name) for name in ("coordinator_address", "num_processes", "process_id")
-             if getattr(args, name, None) is not None}
-    return initialize(dataclasses.replace(base or DistributedConfig(), **given), os.environ)
-
-
-def is_follower() -> bool:
-    import jax
-
-    return jax.process_index() != 0
-
-
 def _load(args: argparse.Namespace) -> Any:
-    from jaxserve.checkpoint import load_model
+    """The model of the command's --model, --dtype and --quantize flags (see jaxserve.launch.load_model)."""
+    from jaxserve.config import EngineConfig
 
-    dtype = args.dtype or _default_dtype()
-    start = time.perf_counter()
-    model = load_model(args.model, dtype=dtype, quantize=_quant_config(args),
-                       on_host=parallel_from_args(args).num_devices > 1)
-    log.info("loaded %s as %s%s in %.1f s", model.source, dtype, " (int8 weights)" if model.quantization else "",
-             time.perf_counter() - start)
-    return model
+    return launch.load_model(args.model, dtype=args.dtype, quantize=_quant_config(args),
+                             engine=EngineConfig(parallel=parallel_from_args(args)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.config import SamplingParams
-    from jaxserve.step import StepRunner, build_engine, engine_config_for, release_followers
+    from jaxserve.step import engine_config_for, release_followers
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    start_distributed(args)
+    launch.join(args)
     model = _load(args)
     tok = model.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompts]
@@ -136,10 +108,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                    parallel=parallel_from_args(args))
     if args.kv_cache_dtype:
         engine_cfg = dataclasses.replace(engine_cfg, kv_cache_dtype=args.kv_cache_dtype)
-    if is_follower():
-        StepRunner(model, engine_cfg).follow()
+    engine = launch.engine_or_follow(model, engine_cfg)
+    if engine is None:
         return 0
-    engine = build_engine(model, engine_cfg)
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * len(prompts))
     release_followers(engine)
@@ -231,26 +202,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.kv_cache_dtype is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_cache_dtype=args.kv_cache_dtype))
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, parallel=parallel_from_args(args, cfg.engine.parallel)))
-    start_distributed(args, cfg.distributed)
-    dtype = cfg.dtype or _default_dtype()
-    sharded = cfg.engine.parallel.num_devices > 1
-    if is_follower():  # a multi-host follower serves nothing: it runs the leader's steps
-        from jaxserve.checkpoint import load_model
-        from jaxserve.step import StepRunner
+    launch.join(args, cfg.distributed)
 
-        StepRunner(load_model(cfg.model, dtype=dtype, on_host=sharded), cfg.engine).follow()
+    def load_model() -> Any:
+        return launch.load_model(cfg.model, dtype=cfg.dtype, quantize=cfg.quantize, engine=cfg.engine)
+
+    if launch.is_follower():  # a multi-host follower serves nothing: it runs the leader's steps
+        launch.engine_or_follow(load_model(), cfg.engine)
         return 0
     engines = []
 
     def load() -> tuple[Any, Any]:
-        from jaxserve.checkpoint import load_model
         from jaxserve.server.server import model_info
-        from jaxserve.step import build_engine
 
-        model = load_model(cfg.model, dtype=dtype, quantize=cfg.quantize, on_host=sharded)
-        engine = build_engine(model, cfg.engine)
+        model = load_model()
+        engine = launch.engine_or_follow(model, cfg.engine)
         engines.append(engine)
-        return engine, model_info(model, engine, cfg, dtype=dtype)
+        return engine, model_info(model, engine, cfg, dtype=str(model.weights.final_norm.dtype))
 
     from jaxserve.step import compilation_count, release_followers
 
@@ -310,7 +278,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(server_cfg.engine, parallel=parallel_from_args(args, server_cfg.engine.parallel))
         if args.attention:
             cfg = dataclasses.replace(cfg, attention=args.attention)
-    start_distributed(args)
+    launch.join(args)
     model = _load(args)
     if not args.config:
         cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
@@ -319,12 +287,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, kv_memory_fraction=args.kv_memory_fraction)
     if args.kv_cache_dtype:
         cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
-    if is_follower():
-        from jaxserve.step import StepRunner
-
-        StepRunner(model, cfg).follow()
-        return 0
     result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg)
+    if result is None:  # a follower
+        return 0
     if args.json:
         print(json.dumps(result))
     else:

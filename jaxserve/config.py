@@ -486,7 +486,9 @@ class BatchConfig:
     output: str | None = None  # results are appended here; with num_shards > 1 each shard writes its own file
     model: str | None = None  # GGUF file, HF or orbax directory; None runs the embedded SmolLM2
     dtype: str | None = None  # float32 or bfloat16; None: float32 on CPU, bfloat16 on GPU/TPU
+    quantize: QuantConfig | None = None  # int8 weights, quantized at load, as ServerConfig.quantize
     engine: EngineConfig = field(default_factory=EngineConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # a multi-host group, as a server's
     sampling: SamplingParams = field(default_factory=SamplingParams)  # for every key a request leaves out
     max_in_flight: int | None = None  # requests handed to the engine at once; None: 4 * engine.max_slots
     shard_index: int | None = None  # None: $JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), else 0

@@ -15,7 +15,15 @@ from typing import Any
 import jax
 
 BACKENDS = ("auto", "pallas", "reference", "mosaic_gpu", "mosaic_tpu")
-NUM_SMS = 132  # the H100 SXM's SMs, which the Mosaic GPU kernels size their splits and program orders for
+DEFAULT_SMS = 132  # an H100 or H200 SXM's: what the kernels size for off a GPU (interpret mode, the CPU tests)
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device, which the Mosaic GPU kernels size their splits and program
+    orders for: a GPU's own count, elsewhere DEFAULT_SMS."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or DEFAULT_SMS) if device.platform == "gpu" else DEFAULT_SMS
 
 
 def resolve(backend: str) -> str:

@@ -101,3 +101,35 @@ def test_two_processes_on_localhost_generate_the_tokens_of_one(tiny):
     assert len(printed[0]) == 1 and printed[1] == [], "the leader prints the result, the follower nothing"
     leader = json.loads(printed[0][0])
     assert leader["prompt_token_ids"] == ids and leader["token_ids"] == expected
+
+
+def test_a_two_process_batch_job_quantizes_on_both_and_gives_the_results_of_one(tiny, tmp_path):
+    """`jaxserve batch` starts the group (it did not), and the follower loads the leader's int8 weights (a follower
+    once loaded them unquantized)."""
+    from jaxserve.config import QuantConfig
+    from jaxserve.model.quant import quantize_weights
+
+    model, path = tiny
+    prompts = ["Hello there, how are you doing today my friend?", "The capital of France is"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 4}) + "\n"
+                                               for i, p in enumerate(prompts)))
+    engine = {"max_slots": 2, "page_size": 8, "num_pages": 16, "max_pages_per_slot": 8, "chunk_buckets": [16]}
+    config = tmp_path / "batch.yaml"
+    config.write_text(json.dumps({"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out.jsonl"),
+                                  "model": path, "quantize": {"mode": "int8"}, "progress": False,
+                                  "engine": {**engine, "parallel": {"tp": 2, "sp": 2}}}))
+    quantized = LoadedModel(model.config, quantize_weights(model.weights, QuantConfig(mode="int8"), jax.numpy.float32),
+                            model.tokenizer, "tiny-int8")
+    ids = [model.tokenizer.encode(p) for p in prompts]
+    one = build_engine(quantized, EngineConfig(**{**engine, "chunk_buckets": (16,)}))
+    expected = [r.output_ids for r in one.generate(ids, [SamplingParams(max_tokens=4)] * 2)]
+    address = f"localhost:{_free_port()}"
+    procs = [jaxserve("batch", "--config", str(config), "--coordinator-address", address, "--num-processes", "2",
+                      "--process-id", str(i), devices=2) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    records = {r["custom_id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert len(records) == 2
+    for i in range(2):
+        text = records[f"r{i}"]["response"]["body"]["choices"][0]["text"]
+        assert text == model.tokenizer.decode(expected[i]), (i, text)

@@ -283,3 +283,16 @@ def test_every_packed_field_of_a_one_row_step_starts_256_byte_aligned():
         starts = [where.start * packed.itemsize for where in _packed_columns(width, pages).values()]
         assert all(start % 256 == 0 for start in starts), (width, pages, starts)
         assert packed.shape[1] == _packed_columns(width, pages)["last"].stop
+
+
+def test_the_engine_package_imports_no_jax():
+    import pkgutil
+    import subprocess
+    import sys
+
+    import jaxserve.engine
+
+    modules = [f"jaxserve.engine.{m.name}" for m in pkgutil.iter_modules(jaxserve.engine.__path__)]
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted(m for m in sys.modules if m.split('.')[0] == 'jax'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert len(modules) >= 6 and out.strip() == "[]", out

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers.decoders import DecodeStream
 
-from jaxserve.checkpoint.tokenizer import Tokenizer
+if TYPE_CHECKING:  # the engine imports no jax; jaxserve.checkpoint does
+    from jaxserve.checkpoint.tokenizer import Tokenizer
+
 
 
 class IncrementalDetokenizer:

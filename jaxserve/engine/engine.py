@@ -24,15 +24,17 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from jaxserve.checkpoint.tokenizer import Tokenizer
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.batch import StepInput, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
 from jaxserve.errors import InputError
+
+if TYPE_CHECKING:  # the engine imports no jax; jaxserve.checkpoint does
+    from jaxserve.checkpoint.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

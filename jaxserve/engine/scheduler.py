@@ -44,14 +44,6 @@ class StepPlan:
         return not self.prefill and not self.decode
 
 
-@dataclass
-class Committed:
-    """What a step changed for one request: the tokens it appended, and whether it finished."""
-
-    request: Request
-    new_ids: list[int]
-
-
 class Scheduler:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg

@@ -32,8 +32,3 @@ class SlotTable:
     @property
     def num_free(self) -> int:
         return len(self._free)
-
-    @property
-    def high_water(self) -> int:
-        """One past the highest busy slot: the rows a decode step must cover."""
-        return max(self._busy) + 1 if self._busy else 0

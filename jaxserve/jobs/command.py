@@ -72,12 +72,18 @@ def _stop_on_sigterm() -> None:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    from jaxserve import launch
     from jaxserve.config import BatchConfig, load_yaml
     from jaxserve.jobs.flags import overrides_from, with_overrides
     from jaxserve.jobs.runner import BatchJob, Summary
 
     cfg = load_yaml(BatchConfig, args.config) if args.config else BatchConfig()
     cfg = with_overrides(cfg, overrides_from(args))
+    launch.join(args, cfg.distributed)
+    if launch.is_follower():  # a follower of a multi-host group runs the leader's steps; the leader owns the files
+        launch.engine_or_follow(launch.load_model(cfg.model, dtype=cfg.dtype, quantize=cfg.quantize,
+                                                  engine=cfg.engine), cfg.engine)
+        return 0
     shard_index = cfg.shard_index if cfg.shard_index is not None else shard_index_from(os.environ)
     _stop_on_sigterm()
     with BatchJob(cfg, shard_index=shard_index) as job:
@@ -88,22 +94,25 @@ def cmd_batch(args: argparse.Namespace) -> int:
             summary = Summary(job.input, job.output, shard_index, cfg.num_shards, job.scan.lines, job.scan.lines, 0, 0,
                               0, 0, 0.0, job.results.repaired_bytes)
         else:
-            summary = job.run(*_engine(cfg), progress_file=sys.stderr)
+            from jaxserve.step import release_followers
+
+            engine, name = _engine(cfg)
+            try:
+                summary = job.run(engine, name, progress_file=sys.stderr)
+            finally:
+                release_followers(engine)
     print(summary.text(), file=sys.stderr)
     print(json.dumps(summary.to_dict()), flush=True)
     return 0
 
 
 def _engine(cfg: Any) -> tuple[Any, str]:
-    from jaxserve.checkpoint import load_model
-    from jaxserve.cli import _default_dtype
-    from jaxserve.step import build_engine
+    from jaxserve import launch
 
-    dtype = cfg.dtype or _default_dtype()
     start = time.perf_counter()
-    model = load_model(cfg.model, dtype=dtype, on_host=cfg.engine.parallel.num_devices > 1)
-    engine = build_engine(model, cfg.engine)
-    log.info("loaded %s as %s and compiled its engine in %.1f s", model.source, dtype, time.perf_counter() - start)
+    model = launch.load_model(cfg.model, dtype=cfg.dtype, quantize=cfg.quantize, engine=cfg.engine)
+    engine = launch.engine_or_follow(model, cfg.engine)
+    log.info("loaded %s and compiled its engine in %.1f s", model.source, time.perf_counter() - start)
     return engine, os.path.basename(model.source.rstrip("/"))
 
 

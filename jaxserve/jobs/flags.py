@@ -16,11 +16,14 @@ _DEST = "config:"
 
 
 def _leaves(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted path, type) of every non-dataclass field of `cls`, depth first."""
+    """(dotted path, type) of every non-dataclass field of `cls`, depth first. An optional dataclass (`quantize`) is
+    set in the YAML only: its fields have no defaults to override one at a time."""
     out = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
+        if any(dataclasses.is_dataclass(a) for a in typing.get_args(hint)):
+            continue
         if dataclasses.is_dataclass(hint):
             out += _leaves(hint, f"{prefix}{f.name}.")  # type: ignore[arg-type]
         else:

@@ -51,8 +51,4 @@ def page_dtype(kv_cache_dtype: str, activations: Any) -> Any:
     return jnp.dtype(activations) if kv_cache_dtype == "auto" else jnp.dtype(kv_cache_dtype)
 
 
-def cache_bytes(cache: KVCache) -> int:
-    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache))
-
-
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=["padding_page"])

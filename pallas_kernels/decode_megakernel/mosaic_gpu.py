@@ -29,7 +29,6 @@ from pallas_kernels.flash_attention.mosaic_gpu import (
     zero_rows_from,
 )
 from pallas_kernels.paged_attention.mosaic_gpu import mma_values_transposed
-from pallas_kernels.quantized_layer.mosaic_gpu import _load_t
 from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu
 
 BLOCK_N, BLOCK_K, COLS = 128, 256, 8  # output rows a tile, inputs a step, activation rows (the batch, padded)
@@ -42,6 +41,12 @@ PRODUCTS = tuple(name for name in ORDER if name != "attn")  # the phases with we
 LOG2E = 1.4426950408889634  # the softmax runs in base 2 (exp2)
 P_SWIZZLE = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # P [keys, 16] bf16 and V beside it
 NORMED = ("wqkv", "w_gate_up")  # the products whose inputs are RMS-normed (attention's, the MLP's): gains 0, 1
+
+
+def _load_t(ref) -> jax.Array:
+    """A [rows, 64] tile in shared memory -> [64, rows] float32 in the WGMMA layout."""
+    v = backend_lib.gpu_load(ref.transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED, optimized=False)
+    return plgpu.layout_cast(v.astype(jnp.float32), plgpu.Layout.WGMMA)
 
 
 def layer_products(cfg) -> dict[str, tuple[int, int]]:
@@ -81,7 +86,7 @@ def _kernel(body, *, out_type, scratch_types, grid, grid_names, num_threads, thr
     return pl.kernel(kernel_body, out_type=out_type, mesh=mesh, compiler_params=compiler_params, name="megakernel")
 
 
-def check_config(cfg, page_size: int, page_dtype=jnp.bfloat16, programs: int = backend_lib.NUM_SMS) -> None:
+def check_config(cfg, page_size: int, page_dtype=jnp.bfloat16, programs: int | None = None) -> None:
     """Raises ValueError naming what of the model or the pages the kernel (megakernel, decode_layers) does not take:
     a head is a tile of BLOCK_N, every product's outputs whole tiles and its inputs whole steps of BLOCK_K, a head a
     program, the pages bfloat16 and a multiple of 8 positions dividing a K/V block of BLOCK_N. megakernel's
@@ -92,6 +97,7 @@ def check_config(cfg, page_size: int, page_dtype=jnp.bfloat16, programs: int = b
         if n % BLOCK_N or k % BLOCK_K:
             raise ValueError(f"the decode megakernel takes products of whole [{BLOCK_N}, {BLOCK_K}] tiles: {name} is "
                              f"[{n}, {k}]")
+    programs = programs or backend_lib.num_sms()
     if not cfg.num_heads <= programs or cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(f"the decode megakernel runs a query head a program: num_heads must be at most {programs} "
                          f"and a multiple of num_kv_heads, got {cfg.num_heads} and {cfg.num_kv_heads}")
@@ -1013,7 +1019,7 @@ def decode_layers(cfg, st, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Raises ValueError naming what the kernel does not take."""
     layers = st.gains.shape[0]
     kvh, hd = cfg.num_kv_heads, cfg.head_dim
-    programs = programs or backend_lib.NUM_SMS
+    programs = programs or backend_lib.num_sms()
     check_config(cfg, page_size, k_pages.dtype, programs)
     if x.shape != (1, cfg.hidden_size):
         raise ValueError(f"the megakernel decodes one row: x must be [1, {cfg.hidden_size}], got {x.shape}")

@@ -338,9 +338,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
         plgpu.wait_smem_to_gmem(0)
 
 
-def scheduled_span(lengths: list[int], sms: int = backend_lib.NUM_SMS) -> int:
+def scheduled_span(lengths: list[int], sms: int | None = None) -> int:
     """When the last of these programs ends if each starts, in order, on the first SM to come free."""
-    free = [0] * sms
+    free = [0] * (sms or backend_lib.num_sms())
     for length in lengths:
         heapq.heappush(free, heapq.heappop(free) + length)
     return max(free)

@@ -49,7 +49,6 @@ from pallas_kernels.paged_attention.reference import combine_splits
 
 _LOG2E = math.log2(math.e)
 _NEG = -1e30
-NUM_SMS = backend_lib.NUM_SMS  # only sets how finely short batches are split
 QN = 16  # query rows of a transposed program: the wgmma N
 CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
 CONVERTER_REGISTERS = 112  # per thread of the converting warpgroup: 64 x head_dim values at a time
@@ -94,9 +93,9 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
     (12 splits of one block there) made the kernel 22 us per step faster but the step 0.6 % slower: the
     combine then reads twice the partials."""
     programs = batch * kv_heads
-    if programs >= NUM_SMS:
+    if programs >= backend_lib.num_sms():
         return 1
-    return max(1, min(-(-NUM_SMS // programs), max_len // block_k))
+    return max(1, min(-(-backend_lib.num_sms() // programs), max_len // block_k))
 
 
 def split_layout(batch: int, kv_heads: int, max_len: int, bs: BlockSizes) -> tuple[int, int]:
@@ -159,7 +158,7 @@ def float8_block_sizes(batch: int, kv_heads: int, group: int, max_len: int, hd: 
 def default_slots(batch: int, kv_heads: int, splits: int, hd: int, bs: BlockSizes, itemsize: int,
                   kv_itemsize: int = 0) -> int:
     fits = smem_bytes(2, hd, bs, itemsize, kv_itemsize=kv_itemsize) <= SMEM_BYTES
-    return 2 if fits and splits == 1 and -(-batch // 2) * kv_heads >= NUM_SMS * 15 // 16 else 1
+    return 2 if fits and splits == 1 and -(-batch // 2) * kv_heads >= backend_lib.num_sms() * 15 // 16 else 1
 
 
 def query_rows(group: int) -> int:

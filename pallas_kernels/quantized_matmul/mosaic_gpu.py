@@ -45,7 +45,6 @@ from pallas_kernels.flash_attention.mosaic_gpu import mma_transforms, mosaic_dty
 
 ROWS = 64  # output channels per compute warpgroup: the wgmma M
 ROW_MULTIPLE = 8  # activation rows are padded to a multiple of this (the wgmma N granule): callers may pad once
-NUM_SMS = backend_lib.NUM_SMS  # sets how finely k is split, and how many stream-K programs there are
 # What one wave of programs costs beyond its bytes, in bytes per SM: the pipeline's fill, about a
 # microsecond of the SM's share (~25 GB/s) of HBM bandwidth. An estimate: it keeps short splits in check.
 WAVE_BYTES_PER_SM = 40_000
@@ -76,7 +75,7 @@ class BlockSizes:
     # (stream-K, see _stream_k_kernel): per-channel scales and one tile of rows only; num_splits is then unused.
     # None: stream-K for decode's few rows (up to WIDE_STEP_ROWS) where it takes the shapes and the split grid
     # would leave more of its waves' SMs idle than stream_k_idle() (and num_splits is not given)
-    programs: int | None = None  # stream-K programs; None: NUM_SMS (fewer where there are fewer units)
+    programs: int | None = None  # stream-K programs; None: backend_lib.num_sms() (fewer where there are fewer units)
     float16: bool = True  # multiply in float16: the activations enter as x · X_SHIFT in float16 and the int8
     # weights convert to float16 in two integer instructions per two values instead of bfloat16's three (see
     # int8_to_float16); the scales take the shift back. A program streams 11 % faster alone (32.8 against 29.5 GB/s,
@@ -141,7 +140,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
                              f"(m={m} must be at most block_m={block_m})")
         resolved = BlockSizes(block_n=block_n, block_k=block_k, block_m=block_m, stream_k=True, float16=bs.float16,
                               stages=bs.stages or (4 if block_k <= 128 else 3), num_splits=1,
-                              programs=min(bs.programs or NUM_SMS, (n // block_n) * (k // block_k)))
+                              programs=min(bs.programs or backend_lib.num_sms(), (n // block_n) * (k // block_k)))
         if (need := smem_bytes(resolved, k, group)) > SMEM_BYTES:
             raise ValueError(f"{resolved} needs {need} bytes of shared memory, more than the {SMEM_BYTES} a program has")
         return resolved
@@ -149,7 +148,7 @@ def _resolve(bs: BlockSizes, m: int, n: int, k: int, group: int) -> BlockSizes:
     idle = stream_k_idle() if bs.stream_k is None and bs.num_splits is None else None
     if idle is not None and group == k and m <= block_m <= WIDE_STEP_ROWS:
         programs = (n // block_n) * splits
-        if programs < (1 - idle) * -(-programs // NUM_SMS) * NUM_SMS:
+        if programs < (1 - idle) * -(-programs // backend_lib.num_sms()) * backend_lib.num_sms():
             return _resolve(dataclasses.replace(bs, stream_k=True), m, n, k, group)
     k_split = k // splits if k % splits == 0 else 0
     if not k_split or k_split % block_k or (k_split % group and group % k_split):
@@ -183,9 +182,10 @@ def default_splits(m: int, n: int, k: int, group: int, block_n: int, block_k: in
         if k % s or k_split % block_k or (k_split % group and group % k_split):
             continue
         programs = tiles * s
-        waves = -(-programs // NUM_SMS)
+        sms = backend_lib.num_sms()
+        waves = -(-programs // sms)
         # bytes moved (idle SMs of the last wave counted as moving nothing), refills, partials
-        cost = n * k * waves * NUM_SMS / programs + waves * NUM_SMS * WAVE_BYTES_PER_SM + (8 * s * n * m if s > 1 else 0)
+        cost = n * k * waves * sms / programs + waves * sms * WAVE_BYTES_PER_SM + (8 * s * n * m if s > 1 else 0)
         if cost < best_cost:
             best, best_cost = s, cost
     return best
