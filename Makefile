@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -n auto --dist worksteal --durations=15
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check jaxserve pallas_kernels tests
+	$(VENV)/bin/ruff check jaxserve pallas_kernels tests benchmarks
 	$(VENV)/bin/mypy
 
 # The packages the lent GPU machine's image lacks (it has no network): carry .whl/ (and the generated stubs,

@@ -70,10 +70,9 @@ def interpret_params(backend: str, interpret: bool | None) -> Any:
         from jax.experimental.pallas import tpu as pltpu
 
         return pltpu.InterpretParams()
-    # A private module: Mosaic GPU's interpreter is reached only through this one import.
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    from pallas_kernels.compat import interpret_gpu_params
 
-    return InterpretGPUParams()
+    return interpret_gpu_params()
 
 
 def interpreted(backend: str) -> bool:

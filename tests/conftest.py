@@ -49,9 +49,10 @@ def interpreted_threads_compile_once():
     import weakref
 
     import jax
-    from jax._src import core as jax_core
-    from jax._src.pallas.mosaic.interpret import thread_map
 
+    from pallas_kernels.compat import eval_jaxpr, interpreter_thread_map
+
+    thread_map = interpreter_thread_map()
     original = getattr(thread_map, "_run_jaxpr", None)
     if original is None:
         yield
@@ -60,7 +61,7 @@ def interpreted_threads_compile_once():
     lock = threading.Lock()
 
     def evaluate(jaxpr, consts, *args):
-        return jax_core.eval_jaxpr(jaxpr, consts, *args)
+        return eval_jaxpr(jaxpr, consts, *args)
 
     def run_jaxpr(jaxpr, consts, *args):
         thread = int(args[0])  # thread_map passes the thread id first
