@@ -11,7 +11,7 @@ For each variant (bfloat16, int8) and batch, in one run:
   in the same run;
 - the kernels' own time beyond the busy time (`overlap`: kernels running at once) and the streams they ran on;
   with `--compiles N`, all of it for N compiles of each step (identical kernels; the int8 step has moved by up to
-  30 % between such compiles on one H100 while bfloat16 stayed put: benchmarks/int8_gpu_notes.md, session 27).
+  30 % between such compiles on one H100 while bfloat16 stayed put).
 
     PYTHONPATH=. python3 benchmarks/decode_profile_gpu.py [--batches 1,64] [--variants bfloat16,int8]
 """

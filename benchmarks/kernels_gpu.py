@@ -107,7 +107,7 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
                 placements: int = 5, rounds: int = 3) -> None:
     """Ours (default block sizes) against cuDNN, alternated, over the same q, k, v at `placements` addresses.
 
-    In session 17 the rates of both kernels moved by up to 10 % from one copy of the inputs to another (the
+    Once the rates of both kernels moved by up to 10 % from one copy of the inputs to another (the
     original buffers, timed first, were fastest; whether their address or the timing order did it is not
     settled), so one copy can make either kernel look faster. Each placement gives one ratio (best of
     `rounds` alternated timings of each); the row gives the placement with the median ratio (an odd count

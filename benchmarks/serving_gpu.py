@@ -1,4 +1,4 @@
-"""Serving figures of an 8B-shaped Llama on one GPU (issue 10), each against a baseline from the same run.
+"""Serving figures of an 8B-shaped Llama on one GPU, each against a baseline from the same run.
 
 1. Offline throughput: N requests of I tokens in and O out, all submitted at once, through the engine,
    with as many slots as the device's free memory holds. The peer is Hugging Face `transformers`
@@ -11,7 +11,7 @@
     PYTHONPATH=. python3 benchmarks/serving_gpu.py [--requests 256 --input-len 1000 --output-len 1000]
     .venv/bin/python benchmarks/serving_gpu.py --smoke        # random:smoke on CPU, tiny lengths
 
-Rows go to benchmarks/results/serving_gpu.jsonl (smoke: /tmp); `benchmarks/plot_serving.py` draws them.
+Rows go to benchmarks/results/serving_gpu.jsonl (smoke: /tmp).
 On one 10-minute device call the parts may not all fit (an 8B step compiles once per bucket): split them
 with --parts (e.g. `--parts offline,concurrency`, then `--parts peer,ttft`); the compilation cache
 (--cache-dir) carries over on a warm machine.

@@ -275,7 +275,7 @@ class EngineConfig:
     # Decode through one kernel for every layer (pallas_kernels.decode_megakernel; on a GPU its Mosaic GPU kernel,
     # elsewhere its jnp reference): one slot, int8 weights with one scale a channel, one device. The layers' int8
     # weights are then held twice (stacked for decode, per layer for prefill) and the KV pages stacked. With it,
-    # 128-position pages (page_size: 128) decode ~3 % faster on an H100 than 16 (benchmarks/int8_gpu_notes.md).
+    # 128-position pages (page_size: 128) decode ~3 % faster on an H100 than 16.
     decode_megakernel: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
 

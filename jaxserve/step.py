@@ -94,7 +94,7 @@ def pack_step_input(inp: StepInput) -> np.ndarray:
     """The inputs `step_fn` reads, side by side in one int32 array [rows, columns], each field 256-byte aligned
     (`_PACKED_ALIGN`): one copy to the device for a greedy step instead of seven (a step that samples sends the
     sampler its own). On the H100 machine the seven numpy inputs cost ~2 ms of host time a dispatch
-    (benchmarks/dispatch_gpu.py: 3.41 against 1.45 ms with inputs already on the device); `unpack_step_input`
+    (3.41 against 1.45 ms with inputs already on the device); `unpack_step_input`
     takes them apart on the device."""
     rows, width, pages = inp.shape
     columns = _packed_columns(width, pages)

@@ -1,8 +1,8 @@
 """A decode megakernel for Hopper (Mosaic GPU): every decoder layer of a batch-1 int8 decode step, attention
 included, in one persistent kernel; its math is reference.decode_layers', on the same stacked layouts.
 
-Built and measured as benchmarks/megakernel_skeleton_gpu.py (its history: benchmarks/int8_gpu_notes.md, sessions
-26-32); `megakernel` still takes that benchmark's trials and stand-ins, which time what a part of it costs.
+`megakernel` still takes trials and stand-ins (benchmarks/megakernel_step_gpu.py), which time what a part of it
+costs.
 `decode_layers` is the served form: int8 products on activations split into int8 parts, every numeric, paged
 attention with the new token's K/V written and folded in.
 """
@@ -197,17 +197,17 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
     instead of one array of every layer. "auto-barriers" (right outputs): Pallas's automatic warpgroup syncs around
     every copy and store, which the kernel otherwise leaves out (see its compiler_params).
     `products`: "s8" (int8
-    wgmma, no conversion: session 22's skeleton) or "float16" (the served kernels' step, ring_product: each weight
+    wgmma, no conversion) or "float16" (the served kernels' step, ring_product: each weight
     chunk converted to float16 in registers, B a float16 stand-in). `convert`: a unit's activations are
     no stand-in but the phase before's float32 sums, copied (the program's rows) into a staging ring and converted
     (SiLU(gate)·up for down, from the interleaved gate_up sums) by a fourth warpgroup into the activation ring, as
     the real kernel must (its gains and 1/rms are a multiply more): with float16 products to float16 times X_SHIFT;
-    with s8 products split into 3 int8 parts and a unit per 128 inputs (s8_parts.split_tile, session 22's PTX), which
-    the compute warpgroups multiply by int8 wgmma with no conversion of the weights (s8_parts.ring_product_parts:
+    with s8 products split into 3 int8 parts and a unit per 128 inputs (parts.split_tile), which
+    the compute warpgroups multiply by int8 wgmma with no conversion of the weights (parts.ring_product_parts:
     B of 3 · 8 columns, an int32 sum a 128-input run, weighted into a float32 total). `prefetch` D > 0:
     each weight copy also asks for the weights of the ring step D later into L2 (a TMA prefetch), so HBM keeps
     streaming while a boundary's waits hold the ring. `split` S > 1: each product in S · S blocks (see plan).
-    `split_inputs`: inputs a converter thread splits (s8 `convert`; 16 is session 22's form, 4 a shorter chain), only
+    `split_inputs`: inputs a converter thread splits (s8 `convert`; 16, or 4 for a shorter chain), only
     the batch's rows (`out_rows`). `numerics` (s8 `convert`): the work of the norms and the scales, on stand-in
     values: qkv's and gate_up's units have their norm's gain staged beside their sums (one copy of 256 sums and one
     of 256 gains) and the split multiplies by it; gate_up's first 16 units of a program's run (every input step
@@ -243,7 +243,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError("x-load is for --convert (the converter loads the sums)")
     x_wg = 4 if convert else 3  # the activations' warpgroup, after the converter if there is one
     warpgroups = 3 + convert + x_warpgroup
-    parts = convert and products == "s8"  # the converter splits the sums into int8 parts (s8_parts.split_tile)
+    parts = convert and products == "s8"  # the converter splits the sums into int8 parts (parts.split_tile)
     if attention not in ("stand-in", "real"):
         raise ValueError(f"attention must be 'stand-in' or 'real', got {attention!r}")
     real_attention = attention == "real"
@@ -270,7 +270,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         raise ValueError("no-split is for --products s8 --convert (the converter's split into parts)")
     # Registers a thread: the block's 64K at launch, a share each (in steps of 8); the producer and the activations'
     # warpgroup give theirs down to 40, the converter to what it needs (split_tile holds 16 inputs, their digits and
-    # addresses), and the compute warpgroups take what is left. (Session 28's 5-warpgroup trial asked for more than
+    # addresses), and the compute warpgroups take what is left. (A 5-warpgroup trial asked for more than
     # the launch gave and never finished.)
     launch = 65536 // (128 * warpgroups) // 8 * 8
     converter_registers = 128 if parts else 72
@@ -350,7 +350,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         w_smem, k_view, v_view = ring if real_attention else (ring, None, None)  # (views of the same slots)
         p, wg = lax.axis_index("p"), lax.axis_index("wg")
         # The counts are never taken back (taking back 368 a layer one atomic at a time, by one program at the end,
-        # cost ~130 us a layer in session 27's first run): call c waits for (c + 1) times a tile's pieces. `calls`
+        # cost ~130 us a layer in a first run): call c waits for (c + 1) times a tile's pieces. `calls`
         # counts the calls; every warpgroup reads it at its start, and program 0 adds one only once every compute
         # warpgroup has departed (which each does after its producer's last wait), so no read sees the next call's.
         done = pl.get_global(plgpu.SemaphoreType.REGULAR((layers * per_layer_tiles,)))
@@ -529,7 +529,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             # q first, published alone: attention's first block waits for it, the rest not
                             made = [(q_smem.at[pl.ds(0, COLS)], q)]
                             later = [(knew_smem, k), (vnew_smem, v)]
-                            if fold:  # for attention's fold, q, k and v in float32 (session 30's first fold
+                            if fold:  # for attention's fold, q, k and v in float32 (a first fold
                                 # summed q·k here, across the warps: that run never finished; wg0 sums it)
                                 later += [(fold_smem.at[i, pl.ds(0, COLS)], a) for i, a in enumerate((q, k, v))]
 
@@ -540,7 +540,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                             plgpu.commit_smem()
                         store(made)
                         plgpu.barrier_arrive(tile_bar.at[slot])
-                        if later:  # (session 30 published q with these, so every block waited for the fold's)
+                        if later:  # (publishing q with these made every block wait for the fold's)
                             store(later)
                         if fold:
                             plgpu.barrier_arrive(fold_bar)  # wg0's fold waits for it after the cached blocks
@@ -551,7 +551,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     if write:
                         @pl.when((u == runs[j][1] - 1) & (lax.rem(p, group) == 0))
                         def _():  # the group's first head writes the new token's K and V into the next position,
-                            # once its last unit is handed over (session 30 wrote at the first, before the rest's)
+                            # once its last unit is handed over (writing at the first, before the rest's, was slower)
                             entry = jnp.minimum(lax.div(length, page_size), table_ref.shape[0] - 1)
                             page = jnp.clip(table_ref[entry], 0, pool - 1)
                             for src, pages in zip((knew_smem, vnew_smem), kv_refs):
@@ -785,7 +785,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
                     halves = [acc[at:at + qmm_gpu.ROWS] for at in range(0, cfg.head_dim, qmm_gpu.ROWS)]
                     c = cfg.head_dim ** -0.5 * LOG2E
                     if fold:  # the step's own K/V: one key more. Its score q·k by elementwise products and one sum
-                        # across the warpgroup, then the online softmax's update for one key (session 30's fold, a
+                        # across the warpgroup, then the online softmax's update for one key (the fold, a
                         # wgmma on a 64-key tile and the softmax of a block, cost ~3 us a layer)
                         plgpu.barrier_wait(fold_bar)
 
@@ -1000,7 +1000,7 @@ def megakernel(cfg, layers: int, programs: int, stages: int, out_rows: int, tria
         # before comes after one too (raw_smem: the split's commit; o_smem and ao_smem: wait_smem_to_gmem, which
         # syncs; P: the commit before it; the scales' and residual's copies: the fragment before's commit), and
         # semaphore_wait ends in a warpgroup sync before a copy that depends on it. split_tile's threads share
-        # nothing across warps. "auto-barriers" puts Pallas's syncs back (sessions 30-33's kernel): the 8 syncs a
+        # nothing across warps. "auto-barriers" puts Pallas's syncs back (the kernel before its syncs were dropped): the 8 syncs a
         # K/V block at 16-position pages were most of what those pages cost.
         compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers="auto-barriers" not in trials),
     )

@@ -1,5 +1,5 @@
 """Activations as int8 parts for int8 x int8 wgmma: the decode megakernel's products (mosaic_gpu.py). First built
-as a BlockSizes option of the int8 matmul (commit 73f7f4a, session 22), slower there per product; in the
+as a BlockSizes option of the int8 matmul (in git's history), slower there per product; in the
 megakernel each unit's activations are split once by a warpgroup of their own, off the products' critical path.
 
 split_parts is the reference (XLA); split_tile the same split by one warpgroup in inline PTX; ring_product_parts the
@@ -105,7 +105,7 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
         squares = "\n".join(f"fma.rn.f32 ss, v{i}, v{i}, ss;" for i in range(1, inputs))
         gained = "\n".join(f"mul.f32 v{i}, v{i}, g{i};" for i in range(inputs))
         # a row's sum over its threads by shuffles first (one shared add a warp: 64 adds to one address, one after
-        # another, cost the converter ~40 us a layer in session 30's first run)
+        # another, cost the converter ~40 us a layer in a first run)
         lanes = min(32, per_row)  # threads of one row in a warp
         row_sum = "\n".join(f"shfl.sync.bfly.b32 s2, ss, {1 << b}, 0x1f, 0xffffffff; add.f32 ss, ss, s2;"
                              for b in range(lanes.bit_length() - 1))

@@ -1,5 +1,5 @@
 """The decode megakernel's math in jnp: every decoder layer of a decode step, over weights and K/V pages stacked
-across the layers, as one kernel on the chip is to compute it (its skeleton: benchmarks/megakernel_skeleton_gpu.py).
+across the layers, as one kernel on the chip is to compute it.
 
 Stacked, so that a kernel looping over the layers on the chip reads every layer through one ref:
 - each int8 product [layers · n, k] (per-channel scales [layers · n]), a layer's rows in the order the kernel's

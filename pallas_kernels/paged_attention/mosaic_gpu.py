@@ -88,7 +88,7 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
     """Sequence splits per (slot, KV head) asked for: about one wave of programs over the SMs, at most one per
     block. `split_layout` rounds each split up to whole blocks, which can leave fewer splits than asked: at
     batch 1 and 1,504 tokens, 11 asked become 6 of two 128-token blocks (48 programs).
-    On the H100 (`benchmarks/small_batch_gpu.py`) this beat two waves of at least four blocks a split (the 8B
+    On the H100 this beat two waves of at least four blocks a split (the 8B
     decode step at batch 1: 6.41 against 6.57 ms, both rules in one process). Keeping the whole-block count
     (12 splits of one block there) made the kernel 22 us per step faster but the step 0.6 % slower: the
     combine then reads twice the partials."""
@@ -139,8 +139,8 @@ def resolve(bs: BlockSizes, batch: int, kv_heads: int, max_len: int, hd: int, it
 def float8_block_sizes(batch: int, kv_heads: int, group: int, max_len: int, hd: int, itemsize: int) -> BlockSizes:
     """Default tiling over 8-bit pages: a converting warpgroup over 128-token blocks, one slot a program, in the
     first layout that fits in shared memory: query rows (unsplit sequences at head_dim 128), else scores as K·qᵀ
-    (split sequences too: their float32 partials take 16 rows, not 64). On the H100 (benchmarks/fp8_decode_gpu.py,
-    against the compute warpgroup converting) the first ran 1.24x (batch 256, 1,536 tokens), 1.28x (128, 2,048)
+    (split sequences too: their float32 partials take 16 rows, not 64). On the H100 (against the compute
+    warpgroup converting) the first ran 1.24x (batch 256, 1,536 tokens), 1.28x (128, 2,048)
     and 1.30x (32, 8,192) faster, 3-5 % ahead of the second there; the second 1.23x at batch 8 (8,192 tokens,
     split; at batch 1 its 1.13x is within that run's noise). Elsewhere (wider heads, groups whose 8-aligned load
     exceeds 16 rows: 11, 13-15 and over 16) the compute warpgroup converts, in the first of

@@ -80,7 +80,7 @@ class BlockSizes:
     # weights convert to float16 in two integer instructions per two values instead of bfloat16's three (see
     # int8_to_float16); the scales take the shift back. A program streams 11 % faster alone (32.8 against 29.5 GB/s,
     # 33 programs), the same at 132; a 4-layer 8B decode step at batch 1 was 1.5 % faster in each of 4 processes
-    # (H100, benchmarks/int8_gpu_notes.md, session 21)
+    # (H100)
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()  # what the model's products use (a benchmark may swap it while it traces)
