@@ -47,10 +47,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxserve.checkpoint import embedded_model_path, load_model
-    from jaxserve.config import QuantConfig, SamplingParams
+    from jaxserve.config import QuantConfig, SamplingParams, engine_config_for
     from jaxserve.model.quant import linear_bytes
     from jaxserve.perplexity import perplexity
-    from jaxserve.step import build_engine, engine_config_for
+    from jaxserve.step import build_engine
 
     path = embedded_model_path()
     qcfg = QuantConfig(mode="int8")

@@ -152,17 +152,6 @@ def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     return rows
 
 
-def device_seconds(fn, args, reps: int = 20) -> float:
-    """Device time of one call of fn(*args): all its kernels, from a profile of `reps` calls after a first."""
-    from benchmarks.kernels_gpu import kernel_seconds
-
-    jax.block_until_ready(fn(*args))
-    seconds, _ = kernel_seconds(lambda: [jax.block_until_ready(fn(*args)) for _ in range(reps)], "")
-    if not seconds:
-        raise RuntimeError("the profile holds no GPU kernels (the tiling sweep needs a GPU)")
-    return seconds / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny config, few steps: checks the script on CPU")

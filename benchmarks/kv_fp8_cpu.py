@@ -30,9 +30,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from jaxserve.checkpoint import embedded_model_path, load_model
-    from jaxserve.config import SamplingParams
+    from jaxserve.config import SamplingParams, engine_config_for
     from jaxserve.perplexity import perplexity
-    from jaxserve.step import build_engine, engine_config_for
+    from jaxserve.step import build_engine
 
     model = load_model(embedded_model_path(), dtype="float32")
     with open(TEXT, encoding="utf-8") as f:

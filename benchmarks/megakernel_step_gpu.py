@@ -30,9 +30,9 @@ from benchmarks.common import record  # noqa: E402
 from benchmarks.int8_gpu import LLAMA_8B, decode_inputs, decode_step, run_steps  # noqa: E402
 from jaxserve.config import QuantConfig  # noqa: E402
 from jaxserve.model.quant import quantize_weights  # noqa: E402
+from jaxserve.model.sampler import greedy  # noqa: E402  (the served step's greedy token, for the same work after the head)
 from jaxserve.model.transformer import decode_stacked  # noqa: E402
 from jaxserve.model.weights import random_weights  # noqa: E402
-from jaxserve.step import _greedy  # noqa: E402  (the served step's greedy token, for the same work after the head)
 from pallas_kernels.decode_megakernel import stack_layers, stack_pages  # noqa: E402
 
 CONTEXT = 256  # tokens already cached (int8_gpu.py's)
@@ -53,7 +53,7 @@ def megakernel_step(cfg, page_size: int, trial: str = ""):
     def step(weights, layers, tokens, lengths, table, k_pages, v_pages):
         logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens, lengths, table, k_pages, v_pages,
                                                   page_size, backend="mosaic_gpu", **options)
-        token, chosen = _greedy(logits, one_pass=None if trial != THREE_PASS else False)
+        token, chosen = greedy(logits, one_pass=None if trial != THREE_PASS else False)
         return token, chosen, logits, k_pages, v_pages
 
     return jax.jit(step, donate_argnums=(5, 6))

@@ -89,8 +89,8 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxserve.config import SamplingParams
-    from jaxserve.step import engine_config_for, release_followers
+    from jaxserve.config import SamplingParams, engine_config_for
+    from jaxserve.step import release_followers
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)

@@ -514,3 +514,30 @@ class BatchConfig:
     @property
     def in_flight_limit(self) -> int:
         return self.max_in_flight or 4 * self.engine.max_slots
+
+
+def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int = 16, max_slots: int = 16,
+                      chunk_sizes: tuple[int, ...] = (16, 64, 256), attention: str = "auto",
+                      parallel: ParallelConfig | None = None) -> EngineConfig:
+    """An engine just big enough for a known set of prompts (CLI generate, benchmarks, tests)."""
+    parallel = parallel or ParallelConfig()
+    chunk_sizes = sequence_parallel_chunks(chunk_sizes, parallel.sp)
+    longest = max(prompt_lens) + max_tokens
+    pages_per_slot = -(-longest // page_size)
+    pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
+    slots = max(1, min(len(prompt_lens), max_slots))
+    return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
+                        max_pages_per_slot=pages_per_slot, chunk_buckets=chunks_for(chunk_sizes, max(prompt_lens)),
+                        attention=attention, parallel=parallel)
+
+
+def chunks_for(chunk_sizes: tuple[int, ...], longest_prompt: int) -> tuple[int, ...]:
+    """The chunk sizes a load can use: those below its longest prompt and the first that holds it."""
+    holds = next((c for c in chunk_sizes if c >= longest_prompt), max(chunk_sizes))  # or the largest, in chunks
+    return tuple(sorted({c for c in chunk_sizes if c < longest_prompt} | {holds}))
+
+
+def sequence_parallel_chunks(chunk_sizes: tuple[int, ...], sp: int) -> tuple[int, ...]:
+    """Chunk sizes rounded up to multiples of 2 * sp (ring attention's zig-zag blocks) when sp > 1."""
+    unit = 2 * sp if sp > 1 else 1
+    return tuple(sorted({-(-c // unit) * unit for c in chunk_sizes}))

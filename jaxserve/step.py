@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.batch import NUM_TOP, StepInput, StepOutput
 from jaxserve.engine.engine import Engine
 from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache, page_dtype
-from jaxserve.model.sampler import sample
+from jaxserve.model.sampler import commit, greedy, sample_fn
 from jaxserve.model.transformer import decode_stacked, forward
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
@@ -140,9 +140,9 @@ def _greedy_step(logits: jax.Array, cache: Any, state: DeviceState,
                  inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, DeviceState]:
     """A step's end from its logits [rows, vocab]: each row's greedy token, packed with no top log-probabilities,
     and the state with `cache` and the rows' tokens as their slots' last."""
-    tokens, chosen = _greedy(logits)
+    tokens, chosen = greedy(logits)
     none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
-    packed, last_tokens = _commit(chosen, tokens, state.last_tokens, inp["slots"], none)
+    packed, last_tokens = commit(chosen, tokens, state.last_tokens, inp["slots"], none)
     return packed, logits, DeviceState(cache, last_tokens)
 
 
@@ -174,64 +174,9 @@ def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, i
     return _greedy_step(logits, (k_pages, v_pages), state, inp)
 
 
-def _greedy(logits: jax.Array, *, one_pass: bool | None = None) -> tuple[jax.Array, jax.Array]:
-    """Each row's most likely token (the first, on ties) and its log-probability.
-    A row with a NaN logit gets a NaN log-probability (the engine ends its request) and token 0.
-
-    On a GPU (`one_pass` None: by the default backend) one variadic reduction carries each row's running
-    (max, its first index, sum of exp(x - max)), rescaling the sum when the max moves: one pass over the logits
-    instead of three. Elsewhere three passes (max, first index of the max, log-sum-exp) that XLA:CPU vectorises;
-    its variadic reductions do not (argmax's and a whole log-softmax took 4.4 ms at 32 rows of the embedded
-    model's vocabulary, the three passes 2.5)."""
-    if one_pass is None:
-        one_pass = jax.default_backend() == "gpu"
-    vocab = logits.shape[-1]
-    if one_pass:
-        x = logits.astype(jnp.float32)
-        ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-
-        def combine(a, b):
-            (m1, i1, s1), (m2, i2, s2) = a, b
-            first = (m1 > m2) | jnp.isnan(m1) | ((m1 == m2) & (i1 < i2))
-            m = jnp.where(first, m1, m2)
-            # (a sum whose max is the new one is kept as it is: exp(-inf - -inf) would be NaN)
-            s = jnp.where(m1 == m, s1, s1 * jnp.exp(m1 - m)) + jnp.where(m2 == m, s2, s2 * jnp.exp(m2 - m))
-            return m, jnp.where(first, i1, i2), s
-
-        best, tokens, total = jax.lax.reduce((x, ids, jnp.ones_like(x)),
-                                             (jnp.float32(-jnp.inf), jnp.int32(vocab), jnp.float32(0)),
-                                             combine, (x.ndim - 1,))
-        return jnp.where(jnp.isnan(best), 0, tokens), -jnp.log(total)
-    best = jnp.max(logits, axis=-1, keepdims=True)
-    ids = jnp.arange(vocab, dtype=jnp.int32)
-    tokens = jnp.min(jnp.where(logits == best, ids, vocab), axis=-1)
-    tokens = jnp.where(tokens < vocab, tokens, 0)
-    return tokens, -jnp.log(jnp.sum(jnp.exp(logits - best), axis=-1))
-
-
-def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """A step's tokens drawn with each row's sampling parameters, and every row's top log-probabilities, from the
-    step's logits -> (packed, last_tokens); replaces what `step_fn` returned for that step."""
-    tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    return _commit(chosen, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
-
-
 # One jit for every single-device runner of a process: a sampler depends only on (rows, vocab, max_slots), so
 # engines of the same model share its compilations.
 _sample = jax.jit(sample_fn, donate_argnums=(1,))
-
-
-def _commit(chosen: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
-            top: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(packed [rows, 2 + 2 * NUM_TOP]: token, its log-probability `chosen`, top ids, top log-probabilities; each
-    slot's last token, the next decode row's input, set to the row's token)."""
-    top_ids, top_logprobs = top
-    packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen[:, None], top_ids.astype(jnp.float32),
-                              top_logprobs.astype(jnp.float32)], axis=-1)
-    return packed, last_tokens.at[slots].set(tokens, mode="drop")
 
 
 def pages_in_memory(stats: list[dict[str, int]], fraction: float, unit_bytes: int, unit: int, *, reserved: int,
@@ -465,30 +410,3 @@ def release_followers(engine: Engine) -> None:
     """Tells the follower processes of a multi-host group that the leader is done; nothing on one process."""
     if isinstance(engine.runner, StepRunner):
         engine.runner.close()
-
-
-def engine_config_for(prompt_lens: list[int], max_tokens: int, *, page_size: int = 16, max_slots: int = 16,
-                      chunk_sizes: tuple[int, ...] = (16, 64, 256), attention: str = "auto",
-                      parallel: ParallelConfig | None = None) -> EngineConfig:
-    """An engine just big enough for a known set of prompts (CLI generate, benchmarks, tests)."""
-    parallel = parallel or ParallelConfig()
-    chunk_sizes = sequence_parallel_chunks(chunk_sizes, parallel.sp)
-    longest = max(prompt_lens) + max_tokens
-    pages_per_slot = -(-longest // page_size)
-    pages_per_slot = -(-pages_per_slot // parallel.sp) * parallel.sp
-    slots = max(1, min(len(prompt_lens), max_slots))
-    return EngineConfig(max_slots=slots, page_size=page_size, num_pages=slots * pages_per_slot,
-                        max_pages_per_slot=pages_per_slot, chunk_buckets=chunks_for(chunk_sizes, max(prompt_lens)),
-                        attention=attention, parallel=parallel)
-
-
-def chunks_for(chunk_sizes: tuple[int, ...], longest_prompt: int) -> tuple[int, ...]:
-    """The chunk sizes a load can use: those below its longest prompt and the first that holds it."""
-    holds = next((c for c in chunk_sizes if c >= longest_prompt), max(chunk_sizes))  # or the largest, in chunks
-    return tuple(sorted({c for c in chunk_sizes if c < longest_prompt} | {holds}))
-
-
-def sequence_parallel_chunks(chunk_sizes: tuple[int, ...], sp: int) -> tuple[int, ...]:
-    """Chunk sizes rounded up to multiples of 2 * sp (ring attention's zig-zag blocks) when sp > 1."""
-    unit = 2 * sp if sp > 1 else 1
-    return tuple(sorted({-(-c // unit) * unit for c in chunk_sizes}))

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import SamplingParams
+from jaxserve.config import SamplingParams, engine_config_for
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.transformer import ForwardOutput, forward
-from jaxserve.step import build_engine, engine_config_for
+from jaxserve.step import build_engine
 
 
 def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingParams, **engine_kw) -> list:

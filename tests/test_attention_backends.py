@@ -81,7 +81,7 @@ def test_pallas_kernels_on_the_gpu_generate_what_xla_generates(tiny):
 
 @pytest.mark.gpu
 def test_sampled_steps_with_top_logprobs_on_the_gpu(tiny):
-    """The sampler runs after the step (jaxserve.step.sample_fn): seeded draws repeat, and each row's top
+    """The sampler runs after the step (jaxserve.model.sampler.sample_fn): seeded draws repeat, and each row's top
     log-probabilities are sorted and start at or above its chosen token's."""
     assert jax.default_backend() == "gpu"
     cfg = EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4, chunk_buckets=(16,),

@@ -47,14 +47,14 @@ def test_seed_and_step_make_draws_reproducible_and_distinct():
 
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_greedy_step_takes_the_first_best_token_and_its_log_probability(one_pass):
-    from jaxserve.step import _greedy
+    from jaxserve.model.sampler import greedy
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((5, 1000)).astype(np.float32) * 4
     logits[1, [7, 500]] = 50.0  # a tie: the first index wins, as argmax's
     logits[2, 3] = np.nan
     logits[4, ::3] = -np.inf  # masked entries take no share
-    tokens, chosen = (np.asarray(x) for x in _greedy(jnp.asarray(logits), one_pass=one_pass))
+    tokens, chosen = (np.asarray(x) for x in greedy(jnp.asarray(logits), one_pass=one_pass))
     for row in (0, 1, 3, 4):
         assert tokens[row] == np.argmax(logits[row])
         x = logits[row].astype(np.float64)

@@ -239,7 +239,7 @@ def test_decode_row_buckets_choose_the_compiled_decode_rows():
 
 
 def test_chunks_for_a_prompt_longer_than_every_chunk_lists_each_width_once():
-    from jaxserve.step import chunks_for
+    from jaxserve.config import chunks_for
 
     assert chunks_for((512,), 1000) == (512,)
     assert chunks_for((16, 64, 256), 100) == (16, 64, 256)
