@@ -32,6 +32,7 @@ from jaxserve.config import ServerConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.errors import JaxserveError
 from jaxserve.server.auth import BearerTokenInterceptor, load_token
+from jaxserve.server.frontend import Frontend
 from jaxserve.server.metrics import Metrics
 from jaxserve.server.service import SERVICE_NAME, InferenceServicer
 from jaxserve.v1 import inference_pb2 as pb
@@ -66,7 +67,8 @@ class Server:
                  compilations: Callable[[], int] | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics(model_name, **({"compilations": compilations} if compilations else {}))
-        self.service = InferenceServicer(cfg, self.metrics)
+        self.front = Frontend(cfg)
+        self.service = InferenceServicer(cfg, self.metrics, self.front)
         self._token = load_token(cfg.auth_token, cfg.auth_token_file)
         self._metrics_token = load_token(cfg.metrics_auth_token, cfg.metrics_auth_token_file)
         self._loop = asyncio.new_event_loop()
@@ -121,7 +123,8 @@ class Server:
         """Serves `engine` (already started) from now on and turns health SERVING."""
         self.engine = engine
         engine.on_fault.append(self._on_fault)
-        self.service.attach(engine, info)
+        self.front.attach(engine)
+        self.service.info = info
         self.metrics.watch(engine)
         if engine.fault is None:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -134,13 +137,13 @@ class Server:
         """NOT_SERVING, refuse new calls, wait for in-flight ones; True if all finished within the timeout."""
         timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
         self._call(self.health.enter_graceful_shutdown())
-        self.service.begin_drain()
+        self.front.begin_drain()
         start = time.perf_counter()
-        finished = self.service.wait_idle(timeout_s)
+        finished = self.front.wait_idle(timeout_s)
         if not finished:
             log.warning("drain timeout of %.1f s passed; cancelling the calls still in flight", timeout_s)
-            self.service.abort_in_flight()
-            self.service.wait_idle(5.0)
+            self.front.abort_in_flight()
+            self.front.wait_idle(5.0)
         log.info("drained in %.1f s", time.perf_counter() - start)
         return finished
 
@@ -152,7 +155,7 @@ class Server:
         self._thread.join()
         self._loop.close()
         self.metrics.stop()
-        self.service.close()
+        self.front.close()
 
 
 def model_info(model: Any, engine: Engine, cfg: ServerConfig, *, dtype: str) -> pb.ModelInfo:
