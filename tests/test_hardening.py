@@ -43,7 +43,7 @@ def start_server(engine, model, **overrides) -> Server:
 
 @pytest.fixture
 def server(engine, smollm):
-    server = start_server(engine, smollm, stream_idle_timeout_s=20.0)
+    server = start_server(engine, smollm, stream_idle_timeout_s=30.0)
     yield server
     server.stop()
 
@@ -77,12 +77,12 @@ def test_unread_streams_hold_no_place_and_are_cancelled_after_the_idle_timeout(s
         wait_until(lambda: server.service.held == 0, 60, "the engine to finish every unread stream")
         assert server.service.in_flight == 16, "the unread streams are still being written"
         assert timed_request(client) < 2.0
-        wait_until(lambda: server.service.in_flight == 0, 30, "the idle timeout to cancel the unread streams")
+        wait_until(lambda: server.service.in_flight == 0, 45, "the idle timeout to cancel the unread streams")
     for c, call in unread:
         with pytest.raises(grpc.RpcError) as error:
             list(call)
         assert error.value.code() == grpc.StatusCode.CANCELLED
-        assert "not read for stream_idle_timeout_s=20.0 s" in error.value.details()
+        assert "not read for stream_idle_timeout_s=30.0 s" in error.value.details()
         c.close()
 
 
