@@ -168,7 +168,7 @@ def main() -> None:
     with open(os.path.join(REPO, args.config)) as f:
         cfg = yaml.safe_load(f)
     port = free_port()
-    cfg.update(host="127.0.0.1", port=port, metrics_port=None)
+    cfg.update(host="127.0.0.1", port=port, http_port=0, metrics_port=None)
     if args.model != "embedded":
         cfg["model"] = args.model
     cfg.setdefault("engine", {})["compilation_cache_dir"] = os.path.join(work, "xla")

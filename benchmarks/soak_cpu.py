@@ -185,7 +185,8 @@ def main() -> None:
            "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "xla")}
     with open(log_path, "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", "configs/serve.yaml",
-                                   "--port", str(port), "--metrics-port", str(metrics_port)], cwd=REPO, env=env,
+                                   "--port", str(port), "--metrics-port", str(metrics_port),
+                                   "--http-port", "0"], cwd=REPO, env=env,
                                   stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     from jaxserve.client import Client

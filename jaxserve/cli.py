@@ -192,7 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.server.server import serve
 
     cfg = load_yaml(ServerConfig, args.config) if args.config else ServerConfig()
-    overrides = {name: getattr(args, name) for name in ("host", "port", "metrics_port", "model", "dtype")
+    overrides = {name: getattr(args, name) for name in ("host", "port", "http_port", "metrics_port", "model", "dtype")
                  if getattr(args, name) is not None}
     if args.quantize is not None or args.quantize_group_size or args.float_head:
         overrides["quantize"] = _quant_config(args)
@@ -364,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true")
     bench.set_defaults(func=cmd_bench)
 
-    serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) until SIGTERM")
+    serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) and the OpenAI-compatible "
+                                         "HTTP API until SIGTERM")
     _add_model_args(serve)
     _add_attention_arg(serve)
     _add_kv_cache_arg(serve)
@@ -372,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="ServerConfig YAML, e.g. configs/serve.yaml (default: built-in)")
     serve.add_argument("--host", default=None, help="address to listen on (default from the config: 0.0.0.0)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default from the config: 50051)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="OpenAI-compatible HTTP port (default from the config: 8000; 0 turns HTTP off)")
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default from the config: 9090)")
     serve.set_defaults(func=cmd_serve)
 

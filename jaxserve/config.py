@@ -400,6 +400,7 @@ class ServerConfig:
 
     host: str = "0.0.0.0"
     port: int = 50051  # 0 picks a free port
+    http_port: int = 8000  # the OpenAI-compatible HTTP API (jaxserve.http); 0 turns it off
     metrics_host: str = "127.0.0.1"  # the k8s overlays listen on 0.0.0.0 for their scrapers
     metrics_port: int | None = 9090  # Prometheus /metrics over HTTP; None turns it off, 0 picks a free port
     metrics_auth_token: str | None = None  # bearer token required on the metrics port
@@ -431,6 +432,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise JaxserveError(f"port must be between 0 and 65535, got {self.port}")
+        if not 0 <= self.http_port <= 65535:
+            raise JaxserveError(f"http_port must be between 0 and 65535 (0 turns HTTP off), got {self.http_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise JaxserveError(f"metrics_port must be between 0 and 65535 (null turns metrics off), got {self.metrics_port}")
         if self.dtype not in (None, "float32", "bfloat16"):

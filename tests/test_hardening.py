@@ -33,7 +33,8 @@ def engine(smollm):
 
 
 def start_server(engine, model, **overrides) -> Server:
-    cfg = ServerConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": None, "engine": ENGINE, "max_waiting": 2,
+    cfg = ServerConfig(**{"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": None, "engine": ENGINE,
+                          "max_waiting": 2,
                           "max_tokens_limit": 100, **overrides})
     server = Server(cfg, model_name="smollm2")
     server.start()

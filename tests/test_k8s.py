@@ -274,6 +274,7 @@ def test_probes_and_ports_are_the_served_ports(kustomization, tmp_path):
         c = container(template)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["grpc"] == cfg.port and ports["metrics"] == cfg.metrics_port
+        assert ports.get("http", 0) == cfg.http_port, "the container names the HTTP port the server listens on"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == cfg.port, f"{probe} checks a port the server does not serve"
             assert c[probe]["grpc"].get("service", "") == "", "the server's overall health is the empty service name"

@@ -61,7 +61,7 @@ def long_request(engine: dict, max_tokens_limit: int) -> tuple[int, int, int]:
 
 def served_config(shipped: str, tmp_path: Path) -> tuple[Path, dict]:
     cfg = yaml.safe_load((REPO / shipped).read_text())
-    cfg.update(host="127.0.0.1", port=free_port(), metrics_host="127.0.0.1", metrics_port=free_port(),
+    cfg.update(host="127.0.0.1", port=free_port(), http_port=free_port(), metrics_host="127.0.0.1", metrics_port=free_port(),
                model=CONFIGS[shipped], drain_timeout_s=120)
     cfg.setdefault("max_tokens_limit", ServerConfig().max_tokens_limit)
     engine = cfg.setdefault("engine", {})

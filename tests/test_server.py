@@ -47,7 +47,7 @@ def engine(smollm):
 
 
 def start_server(engine: Engine, model, **overrides) -> Server:
-    cfg = ServerConfig(**{"host": "127.0.0.1", "port": 0, "metrics_port": 0, "engine": ENGINE,
+    cfg = ServerConfig(**{"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0, "engine": ENGINE,
                           "max_message_bytes": 64 * 1024, "max_tokens_limit": 100, **overrides})
     server = Server(cfg, model_name="smollm2", compilations=compilation_count)
     server.start()
@@ -456,7 +456,7 @@ def free_port() -> int:
 def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
     port = free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text("host: 127.0.0.1\nmetrics_port: null\ndrain_timeout_s: 60\nmax_tokens_limit: 200\n"
+    config.write_text("host: 127.0.0.1\nhttp_port: 0\nmetrics_port: null\ndrain_timeout_s: 60\nmax_tokens_limit: 200\n"
                       "engine:\n  max_slots: 2\n  page_size: 16\n  num_pages: 32\n  max_pages_per_slot: 16\n"
                       "  chunk_buckets: [16]\n")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -488,7 +488,7 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_while_compiling_ends_the_server_within_5_s(tmp_path, signum):
     config = tmp_path / "serve.yaml"
-    config.write_text("host: 127.0.0.1\nmetrics_port: null\nengine:\n  max_slots: 2\n  num_pages: 32\n"
+    config.write_text("host: 127.0.0.1\nhttp_port: 0\nmetrics_port: null\nengine:\n  max_slots: 2\n  num_pages: 32\n"
                       "  max_pages_per_slot: 16\n  chunk_buckets: [16, 32, 64]\n")
     # a cache of its own: the buckets really compile when the signal comes
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -78,7 +78,11 @@ class Server:
         self._grpc = self._call(self._build())
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self.engine: Engine | None = None
+        self._serving = False  # health is SERVING (HTTP's /health reads it)
+        self._http: Any = None
+        self._http_thread: threading.Thread | None = None
 
     async def _build(self) -> grpc.aio.Server:
         server = grpc.aio.server(
@@ -116,8 +120,36 @@ class Server:
         self._call(self._grpc.start())
         if self.cfg.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port, self._metrics_token)
-        log.info("gRPC on %s:%d (%s), metrics on %s", self.cfg.host, port, "TLS" if creds else "plaintext",
+        if self.cfg.http_port:
+            self._start_http()
+        log.info("gRPC on %s:%d (%s), HTTP on %s, metrics on %s", self.cfg.host, port, "TLS" if creds else "plaintext",
+                 f"{self.cfg.host}:{self.http_port}" if self.http_port else "off",
                  f"{self.cfg.metrics_host}:{self.metrics_port}" if self.metrics_port is not None else "off")
+
+    def _start_http(self) -> None:
+        """The OpenAI-compatible API (jaxserve.http) on uvicorn, on a thread and event loop of its own."""
+        import ssl
+
+        import uvicorn
+
+        from jaxserve.http.app import build_app
+
+        cfg = self.cfg
+        app = build_app(self.front, cfg, self.metrics, serving=lambda: self._serving, token=self._token)
+        tls: dict[str, Any] = {"ssl_certfile": cfg.tls_cert, "ssl_keyfile": cfg.tls_key} if cfg.tls_cert else {}
+        if cfg.tls_client_ca:
+            tls.update(ssl_ca_certs=cfg.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self._http = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.http_port, log_level="warning",
+                                                   lifespan="off", access_log=False, **tls))
+        self._http_thread = threading.Thread(target=self._http.run, name="jaxserve-http", daemon=True)
+        self._http_thread.start()
+        deadline = time.monotonic() + 30
+        while not self._http.started:
+            if not self._http_thread.is_alive() or time.monotonic() > deadline:
+                raise JaxserveError(f"cannot listen on {cfg.host}:{cfg.http_port} for HTTP; is the port taken? "
+                                    "(http_port: 0 turns HTTP off)")
+            time.sleep(0.01)
+        self.http_port = int(self._http.servers[0].sockets[0].getsockname()[1])
 
     def attach(self, engine: Engine, info: pb.ModelInfo) -> None:
         """Serves `engine` (already started) from now on and turns health SERVING."""
@@ -128,14 +160,17 @@ class Server:
         self.metrics.watch(engine)
         if engine.fault is None:
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            self._serving = True
 
     def _on_fault(self, error: BaseException) -> None:
         log.error("engine fault, health is NOT_SERVING from now on: %s: %s", type(error).__name__, error)
+        self._serving = False
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """NOT_SERVING, refuse new calls, wait for in-flight ones; True if all finished within the timeout."""
         timeout_s = self.cfg.drain_timeout_s if timeout_s is None else timeout_s
+        self._serving = False
         self._call(self.health.enter_graceful_shutdown())
         self.front.begin_drain()
         start = time.perf_counter()
@@ -150,6 +185,10 @@ class Server:
     def stop(self, grace_s: float = 1.0) -> None:
         if self._loop.is_closed():
             return
+        if self._http is not None:
+            self._http.should_exit = True
+            if self._http_thread is not None:
+                self._http_thread.join(timeout=10)
         self._call(self._grpc.stop(grace_s))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

@@ -1,0 +1,374 @@
+"""OpenAI-compatible HTTP API (FastAPI) over the serving front that gRPC uses: both kinds of request batch together.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with `stream`), GET /v1/models,
+GET /health (200 only while SERVING), POST /tokenize and /detokenize (vLLM's shapes), GET /metrics (the same
+registry as the metrics port). Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}, and name
+the field and value. With the server's auth token set, /v1/* and /tokenize, /detokenize need
+`Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jaxserve.config import ServerConfig
+from jaxserve.engine import validation
+from jaxserve.engine.validation import InvalidArgument, Limits
+from jaxserve.errors import InputError
+from jaxserve.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxserve.server.frontend import Ended, Frontend, Refused
+from jaxserve.server.metrics import Metrics
+
+MAX_N = 16  # choices a request may ask for
+_ENDED_STATUS = {"drained": 503, "behind": 429, "deadline": 408, "error": 500}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def build_app(front: Frontend, cfg: ServerConfig, metrics: Metrics, *, serving: Callable[[], bool],
+              token: str | None = None) -> FastAPI:
+    """The HTTP API over `front`; `serving()` says whether health is SERVING."""
+    app = FastAPI(title="jaxserve", docs_url=None, redoc_url=None)
+    expected = f"Bearer {token}".encode() if token else None
+    name = cfg.model_name
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        value = first.get("input")
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:60] + "..."
+        return error_response(400, f"{where}={shown}: {first['msg']}" if where else first["msg"], param=where or None)
+
+    @app.exception_handler(HTTPError)
+    async def http_error(_: Request, exc: HTTPError) -> JSONResponse:
+        return error_response(exc.status, str(exc), exc.kind, exc.param)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        guarded = request.url.path.startswith("/v1/") or request.url.path in ("/tokenize", "/detokenize")
+        if expected is not None and guarded:
+            sent = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(sent, expected):
+                return error_response(401, "missing or wrong bearer token; send 'Authorization: Bearer <token>'",
+                                      "authentication_error")
+        response: Response = await call_next(request)
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if serving() else 503)
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        limits = _ready(front, draining_ok=True)[1]
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "jaxserve",
+                                            "max_model_len": limits.room}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        _check_model(body.model, name)
+        limits = _ready(front, draining_ok=True)[1]
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "send exactly one of prompt and messages")
+        ids = await _guard(front.encode_text(body.prompt) if body.prompt is not None else
+                           front.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages or []]))
+        return {"count": len(ids), "max_model_len": limits.room, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        _check_model(body.model, name)
+        ids = await _guard(_async(lambda: front.token_ids(body.tokens, "tokens")))
+        return {"prompt": await front.decode(ids)}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> Response | dict[str, Any]:
+        _check_common(body, name)
+        limits = _ready(front)[1]
+        prompts = await _guard(_completion_prompts(front, body.prompt))
+        if body.logprobs is not None and not 0 <= body.logprobs <= limits.max_logprobs:
+            raise HTTPError(400, f"logprobs={body.logprobs} must be between 0 and {limits.max_logprobs}", param="logprobs")
+        return await _run(front, metrics, body, prompts, limits, name, chat=False, logprobs=body.logprobs or 0)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest) -> Response | dict[str, Any]:
+        _check_common(body, name)
+        limits = _ready(front)[1]
+        if body.max_tokens is not None and body.max_completion_tokens is not None \
+                and body.max_tokens != body.max_completion_tokens:
+            raise HTTPError(400, f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} "
+                                 "differ; send one", param="max_completion_tokens")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        top = body.top_logprobs or 0
+        if not 0 <= top <= limits.max_logprobs:
+            raise HTTPError(400, f"top_logprobs={top} must be between 0 and {limits.max_logprobs}", param="top_logprobs")
+        chat = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompts = [await _guard(front.encode_chat(chat))]
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        # (logprobs: true with no top_logprobs still reports each chosen token's log-probability)
+        return await _run(front, metrics, body, prompts, limits, name, chat=True,
+                          logprobs=max(top, 1) if body.logprobs else 0, top=top)
+
+    return app
+
+
+def _ready(front: Frontend, *, draining_ok: bool = False) -> tuple[Any, Limits]:
+    try:
+        return front.ready(draining_ok=draining_ok)
+    except Refused as e:
+        raise HTTPError(503, str(e), "service_unavailable") from None
+
+
+def _check_model(model: str | None, name: str) -> None:
+    if model is not None and model != name:
+        raise HTTPError(404, f"model={model!r} is not served here; this server serves {name!r}", "not_found_error",
+                        "model")
+
+
+def _check_common(body: Any, name: str) -> None:
+    _check_model(body.model, name)
+    unsupported = body.unsupported()
+    if unsupported:
+        raise HTTPError(400, f"{unsupported[0]}={getattr(body, unsupported[0])!r} is not supported by jaxserve yet; "
+                             "leave it out", param=unsupported[0])
+    if not 1 <= body.n <= MAX_N:
+        raise HTTPError(400, f"n={body.n} must be between 1 and {MAX_N}", param="n")
+
+
+async def _async(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+async def _guard(work: Any) -> Any:
+    try:
+        return await work
+    except InputError as e:
+        raise HTTPError(400, str(e)) from None
+    except Refused as e:
+        raise HTTPError(503, str(e), "service_unavailable") from None
+
+
+async def _completion_prompts(front: Frontend, prompt: Any) -> list[list[int]]:
+    """Token ids of each prompt: a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [await front.encode_text(prompt)]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [front.token_ids(prompt, "prompt")]
+    if not prompt:
+        raise InvalidArgument("prompt=[] must hold at least one prompt")
+    out = []
+    for i, p in enumerate(prompt):
+        out.append(await front.encode_text(p, f"prompt[{i}]") if isinstance(p, str) else front.token_ids(p, f"prompt[{i}]"))
+    return out
+
+
+def _children(body: Any, prompts: list[list[int]], limits: Limits, chat: bool, logprobs: int) -> list[tuple[int, list[int], Any]]:
+    """(choice index, prompt ids, SamplingParams) of every choice: n of them a prompt, each its own seed."""
+    children = []
+    for p, ids in enumerate(prompts):
+        # OpenAI's defaults: 16 tokens for a completion, what the context leaves for a chat
+        room = min(limits.room - len(ids), limits.max_tokens_limit)
+        max_tokens = body.max_tokens if body.max_tokens is not None else (max(1, room) if chat else 16)
+        for c in range(body.n):
+            seed = (body.seed + c) % 2**32 if body.seed is not None else secrets.randbits(32)
+            try:
+                params = validation.sampling(
+                    limits, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                    top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
+                    stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+                    logprobs=logprobs,
+                    names={"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"})
+                validation.fits(len(ids), params, limits)
+            except InputError as e:
+                raise HTTPError(400, str(e)) from None
+            children.append((p * body.n + c, ids, params))
+    return children
+
+
+async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[int]], limits: Limits, name: str, *,
+               chat: bool, logprobs: int, top: int = 0) -> Response | dict[str, Any]:
+    children = _children(body, prompts, limits, chat, logprobs)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    created = int(time.time())
+    events: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
+    tok = front.engine.tokenizer if front.engine is not None else None
+
+    async def child(index: int, ids: list[int], params: Any) -> None:
+        stream = front.generate(ids, params)
+        try:
+            async with contextlib.aclosing(stream):
+                first = True
+                async for request, update in stream:
+                    if first and update.token_ids:
+                        metrics.first_token(request)
+                        first = False
+                    metrics.generation_tokens.inc(len(update.token_ids))
+                    if update.finish_reason is not None:
+                        metrics.finished(request)
+                    await events.put((index, request, update))
+        except (Refused, Ended, InputError) as e:
+            await events.put((index, None, e))
+        finally:
+            await events.put((index, None, None))  # this child is done
+
+    for _, ids, _ in children:
+        metrics.prompt_tokens.inc(len(ids))
+    tasks = [asyncio.create_task(child(*c)) for c in children]
+
+    async def updates() -> AsyncGenerator[tuple[int, Any, Any], None]:
+        """Every child's updates as they come, until all are done; the children are cancelled if this stops."""
+        try:
+            left = len(tasks)
+            while left:
+                index, request, update = await events.get()
+                if request is None and update is None:
+                    left -= 1
+                    continue
+                if request is None:
+                    raise update
+                yield index, request, update
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    fmt = _Formatter(tok, chat, top, logprobs, rid, created, name, len(children), body.n)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_sse(updates(), fmt, usage), media_type="text/event-stream")
+    try:
+        async with contextlib.aclosing(updates()) as stream:
+            async for index, request, update in stream:
+                fmt.add(index, request, update)
+    except Refused as e:
+        return error_response(429 if e.kind == "full" else 503, str(e), "rate_limit_error" if e.kind == "full"
+                              else "service_unavailable", headers={"retry-after-ms": str(front.cfg.retry_after_ms)}
+                              if e.kind == "full" else None)
+    except Ended as e:
+        return error_response(_ENDED_STATUS[e.kind], str(e), "server_error")
+    except InputError as e:
+        return error_response(400, str(e))
+    return fmt.response()
+
+
+async def _sse(updates: AsyncGenerator[tuple[int, Any, Any], None], fmt: _Formatter, usage: bool) -> AsyncIterator[str]:
+    try:
+        async with contextlib.aclosing(updates) as stream:
+            async for index, request, update in stream:
+                fmt.add(index, request, update)
+                yield f"data: {json.dumps(fmt.chunk(index, update))}\n\n"
+        if usage:
+            yield f"data: {json.dumps(fmt.usage_chunk())}\n\n"
+    except (Refused, Ended, InputError) as e:
+        status = 400 if isinstance(e, InputError) else 429 if isinstance(e, Refused) and e.kind == "full" else \
+            _ENDED_STATUS.get(getattr(e, "kind", ""), 503)
+        yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': status}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class _Formatter:
+    """Builds OpenAI's response bodies (whole, or one streamed chunk at a time) from the children's updates."""
+
+    def __init__(self, tok: Any, chat: bool, top: int, logprobs: int, rid: str, created: int, model: str, n: int,
+                 n_per_prompt: int):
+        self.tok, self.chat, self.top, self.logprobs, self.n_per_prompt = tok, chat, top, logprobs, n_per_prompt
+        self.rid, self.created, self.model = rid, created, model
+        self.text = [""] * n
+        self.lps: list[list[tuple[int, float, list[tuple[int, float]]]]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.prompt_tokens = [0] * n
+        self.completion_tokens = [0] * n
+        self.sent_role = [False] * n
+
+    def add(self, index: int, request: Any, update: Any) -> None:
+        self.text[index] += update.text
+        self.lps[index] += [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
+        self.prompt_tokens[index] = len(request.prompt_ids)
+        self.completion_tokens[index] = len(request.output_ids)
+        if update.finish_reason is not None:
+            self.finish[index] = update.finish_reason
+
+    def _token(self, token: int) -> str:
+        return str(self.tok.decode([token], skip_special_tokens=False)) if self.tok is not None else str(token)
+
+    def _logprobs(self, entries: list[tuple[int, float, list[tuple[int, float]]]], offset: int = 0) -> Any:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": [{"token": self._token(t), "logprob": lp, "bytes": list(self._token(t).encode()),
+                                 "top_logprobs": [{"token": self._token(i), "logprob": v,
+                                                   "bytes": list(self._token(i).encode())} for i, v in tops[:self.top]]}
+                                for t, lp, tops in entries]}
+        tokens = [self._token(t) for t, _, _ in entries]
+        offsets = []
+        for s in tokens:
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{self._token(i): v for i, v in tops} for _, _, tops in entries], "text_offset": offsets}
+
+    def usage(self) -> dict[str, int]:
+        # each prompt counted once (its n choices share it), every choice's output
+        prompt = sum(self.prompt_tokens[i] for i in range(0, len(self.prompt_tokens), self.n_per_prompt))
+        completion = sum(self.completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for i, text in enumerate(self.text):
+            finish = self.finish[i]
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._logprobs(self.lps[i]), "finish_reason": finish})
+            else:
+                choices.append({"index": i, "text": text, "logprobs": self._logprobs(self.lps[i]),
+                                "finish_reason": finish})
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def chunk(self, index: int, update: Any) -> dict[str, Any]:
+        entries = [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
+        if self.chat:
+            delta: dict[str, Any] = {"content": update.text}
+            if not self.sent_role[index]:
+                delta["role"] = "assistant"
+                self.sent_role[index] = True
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(entries),
+                      "finish_reason": update.finish_reason}
+        else:
+            choice = {"index": index, "text": update.text, "logprobs": self._logprobs(entries),
+                      "finish_reason": update.finish_reason}
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}

@@ -1,0 +1,105 @@
+"""OpenAI's request shapes for completions and chat, as pydantic models (responses are built as plain dicts).
+
+Every field a caller may send is declared: an unknown field is a 400 that names it (nothing is dropped silently),
+and a known field jaxserve does not implement yet is a 400 unless it holds the value that means "off".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Known to OpenAI's API but not implemented here: accepted only at the value that turns them off.
+OFF_VALUES: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "best_of": None,
+                              "echo": False, "suffix": None, "tools": None, "tool_choice": None,
+                              "response_format": None, "parallel_tool_calls": None, "repetition_penalty": None,
+                              "min_p": None, "min_tokens": None}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's
+    ignore_eos: bool = False  # vLLM's
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # not implemented: see OFF_VALUES
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self) -> list[str]:
+        """The fields set to something jaxserve does not do yet."""
+        return [name for name, off in OFF_VALUES.items() if name in type(self).model_fields and getattr(self, name) != off]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt or chat messages."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int] = Field(min_length=1)
