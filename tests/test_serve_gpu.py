@@ -9,6 +9,7 @@ Set JAXSERVE_TEST_XLA_CACHE to share compilations between runs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -105,6 +106,12 @@ def test_shipped_config_serves_64_mixed_streams_and_drains(shipped, tmp_path):
             wait(idle, 30, "every slot and page to be free again")
             if engine["max_slots"] > 1:  # (one slot never preempts)
                 assert seen["jaxserve:num_preemptions_total"] > 0, "the long requests preempted each other"
+            # the OpenAI-compatible API on the same engine
+            body = json.dumps({"prompt": [5] * 16, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+            post = urllib.request.Request(f"http://127.0.0.1:{cfg['http_port']}/v1/completions", data=body,
+                                          headers={"Content-Type": "application/json"})
+            completion = json.loads(urllib.request.urlopen(post, timeout=120).read())
+            assert completion["usage"] == {"prompt_tokens": 16, "completion_tokens": 8, "total_tokens": 24}
             # SIGTERM mid-stream: the call in flight finishes, new calls are refused, the process exits 0
             call = client.generate(token_ids=[5] * 16, max_tokens=100, ignore_eos=True)
             drained = Completion()

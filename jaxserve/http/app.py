@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -31,6 +32,8 @@ from jaxserve.errors import InputError
 from jaxserve.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from jaxserve.server.frontend import Ended, Frontend, Refused
 from jaxserve.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 MAX_N = 16  # choices a request may ask for
 _ENDED_STATUS = {"drained": 503, "behind": 429, "deadline": 408, "error": 500}
@@ -69,6 +72,9 @@ def build_app(front: Frontend, cfg: ServerConfig, metrics: Metrics, *, serving: 
 
     @app.middleware("http")
     async def auth(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        size = int(request.headers.get("content-length") or 0)
+        if size > cfg.max_message_bytes:
+            return error_response(413, f"the body is {size} bytes; at most {cfg.max_message_bytes} (max_message_bytes)")
         guarded = request.url.path.startswith("/v1/") or request.url.path in ("/tokenize", "/detokenize")
         if expected is not None and guarded:
             sent = request.headers.get("authorization", "").encode()
@@ -156,6 +162,8 @@ def _check_model(model: str | None, name: str) -> None:
 
 def _check_common(body: Any, name: str) -> None:
     _check_model(body.model, name)
+    if body.model_extra:
+        log.warning("ignored unknown request fields: %s", ", ".join(sorted(body.model_extra)))
     unsupported = body.unsupported()
     if unsupported:
         raise HTTPError(400, f"{unsupported[0]}={getattr(body, unsupported[0])!r} is not supported by jaxserve yet; "
@@ -269,9 +277,11 @@ async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[
             async for index, request, update in stream:
                 fmt.add(index, request, update)
     except Refused as e:
-        return error_response(429 if e.kind == "full" else 503, str(e), "rate_limit_error" if e.kind == "full"
-                              else "service_unavailable", headers={"retry-after-ms": str(front.cfg.retry_after_ms)}
-                              if e.kind == "full" else None)
+        retry = {"Retry-After": str(max(1, -(-front.cfg.retry_after_ms // 1000))),
+                 "retry-after-ms": str(front.cfg.retry_after_ms)}
+        return error_response(429 if e.kind == "full" else 503, str(e),
+                              "rate_limit_error" if e.kind == "full" else "service_unavailable",
+                              headers=retry if e.kind == "full" else None)
     except Ended as e:
         return error_response(_ENDED_STATUS[e.kind], str(e), "server_error")
     except InputError as e:
@@ -305,6 +315,7 @@ class _Formatter:
         self.lps: list[list[tuple[int, float, list[tuple[int, float]]]]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.prompt_tokens = [0] * n
+        self.cached_tokens = [0] * n
         self.completion_tokens = [0] * n
         self.sent_role = [False] * n
 
@@ -312,6 +323,7 @@ class _Formatter:
         self.text[index] += update.text
         self.lps[index] += [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
         self.prompt_tokens[index] = len(request.prompt_ids)
+        self.cached_tokens[index] = request.cached_tokens
         self.completion_tokens[index] = len(request.output_ids)
         if update.finish_reason is not None:
             self.finish[index] = update.finish_reason
@@ -335,11 +347,13 @@ class _Formatter:
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{self._token(i): v for i, v in tops} for _, _, tops in entries], "text_offset": offsets}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         # each prompt counted once (its n choices share it), every choice's output
-        prompt = sum(self.prompt_tokens[i] for i in range(0, len(self.prompt_tokens), self.n_per_prompt))
+        firsts = range(0, len(self.prompt_tokens), self.n_per_prompt)
+        prompt = sum(self.prompt_tokens[i] for i in firsts)
         completion = sum(self.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[i] for i in firsts)}}
 
     def response(self) -> dict[str, Any]:
         choices = []

@@ -1,7 +1,8 @@
 """OpenAI's request shapes for completions and chat, as pydantic models (responses are built as plain dicts).
 
-Every field a caller may send is declared: an unknown field is a 400 that names it (nothing is dropped silently),
-and a known field jaxserve does not implement yet is a 400 unless it holds the value that means "off".
+An unknown top-level field is ignored with one warning line naming it, as vLLM does (clients send fields of
+newer API versions); a known field jaxserve does not implement yet is a 400 unless it holds the value that means
+"off", so that no caller gets other outputs than it asked for without knowing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown fields: see the module docstring
 
     model: str | None = None
     max_tokens: int | None = None
