@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import yaml
 
@@ -130,11 +131,54 @@ def client_process(address: str, prompts: list[list[int]], output_len: int, star
     queue.put((ttft, itl, tokens[0], max(ends)))
 
 
-def grpc_load(address: str, prompts: list[list[int]], output_len: int, processes: int) -> dict[str, float]:
+def http_client_process(base_url: str, prompts: list[list[int]], output_len: int, start_at: float, queue) -> None:
+    """One process's streaming clients through the async `openai` client, all starting at `start_at`; puts what
+    `client_process` puts."""
+    import asyncio
+
+    import openai
+
+    async def run() -> tuple[list[float], list[float], int, float]:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=1800)
+        ttft: list[float] = []
+        itl: list[float] = []
+        counts = [0]
+
+        async def one(prompt: list[int]) -> None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            start = last = time.perf_counter()
+            first = None
+            stream = await client.completions.create(model=None, prompt=prompt, max_tokens=output_len, temperature=0,
+                                                     stream=True, extra_body={"ignore_eos": True})
+            count = 0
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].text:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now - start
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    count += 1
+            ttft.append(first or 0.0)
+            counts[0] += count
+
+        await asyncio.gather(*(one(p) for p in prompts))
+        await client.close()
+        return ttft, itl, counts[0], time.time()
+
+    queue.put(asyncio.run(run()))
+
+
+def grpc_load(address: str, prompts: list[list[int]], output_len: int, processes: int,
+              target: Any = None) -> dict[str, float]:
+    """N streaming clients at once, spread over `processes` (gRPC by default; `target` = http_client_process with
+    `address` the API's base URL for HTTP)."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     start_at = time.time() + 5 + len(prompts) / 64  # every process's channels open before the start line
-    procs = [ctx.Process(target=client_process, args=(address, prompts[i::processes], output_len, start_at, queue))
+    procs = [ctx.Process(target=target or client_process,
+                         args=(address, prompts[i::processes], output_len, start_at, queue))
              for i in range(processes)]
     for p in procs:
         p.start()
@@ -168,7 +212,8 @@ def main() -> None:
     with open(os.path.join(REPO, args.config)) as f:
         cfg = yaml.safe_load(f)
     port = free_port()
-    cfg.update(host="127.0.0.1", port=port, http_port=0, metrics_port=None)
+    http_port = free_port()
+    cfg.update(host="127.0.0.1", port=port, http_port=http_port, metrics_port=None)
     if args.model != "embedded":
         cfg["model"] = args.model
     cfg.setdefault("engine", {})["compilation_cache_dir"] = os.path.join(work, "xla")
@@ -208,8 +253,14 @@ def main() -> None:
         print(f"load server SERVING after {start_s:.1f} s", flush=True)
         grpc_load(server.address, prompts[:2], 4, 1)  # first-run effects
         over_grpc = grpc_load(server.address, prompts, args.output_len, args.client_processes)
+        print(f"gRPC: {over_grpc}", flush=True)
+        base_url = f"http://127.0.0.1:{http_port}/v1"
+        grpc_load(base_url, prompts[:2], 4, 1, http_client_process)  # first-run effects
+        rng_http = random.Random(1)  # other prompts: the prefix cache must not serve the gRPC run's
+        http_prompts = [[rng_http.randrange(vocab - 1) for _ in range(args.input_len)] for _ in range(args.clients)]
+        over_http = grpc_load(base_url, http_prompts, args.output_len, args.client_processes, http_client_process)
         code, exit_s = server.terminate()
-        print(f"gRPC: {over_grpc}; exit {code} after {exit_s:.1f} s", flush=True)
+        print(f"HTTP: {over_http}; exit {code} after {exit_s:.1f} s", flush=True)
         model = [] if args.model == "embedded" else ["--model", args.model]
         bench = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--config", config, *model,
                                 "--num-requests", str(args.clients), "--input-len", str(args.input_len),
@@ -227,6 +278,11 @@ def main() -> None:
         for metric in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
             row("serve_grpc_load", load, metric, over_grpc[metric], "s", baseline, in_process[metric],
                 higher_is_better=False)
+        http_load = {**load, "transport": "HTTP over loopback, the async openai client, streamed"}
+        for metric in ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+            row("serve_http_load", http_load, metric, over_http[metric], "tok/s" if metric.endswith("per_s") else "s",
+                "the same load over gRPC, same server and run", over_grpc[metric],
+                higher_is_better=metric.endswith("per_s"))
     for fields, higher_is_better in rows:
         print(json.dumps(record(args.out, *fields, higher_is_better=higher_is_better)), flush=True)
 
