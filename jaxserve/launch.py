@@ -44,11 +44,22 @@ def is_follower() -> bool:
     return jax.process_index() != 0
 
 
+def use_compilation_cache(engine: EngineConfig) -> None:
+    """Turns on the persistent compilation cache of `engine.compilation_cache_dir`, before anything compiles: the
+    loader's own computations (quantizing, random weights) are then read back on a restart too."""
+    if engine.compilation_cache_dir:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", engine.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def load_model(path: str | None, *, dtype: str | None, quantize: QuantConfig | None, engine: EngineConfig) -> Any:
     """The model at `path` (None: the embedded one) in `dtype` (None: the platform's default), quantized as asked;
     on the host first when the engine shards it over several devices."""
     from jaxserve.checkpoint import load_model as load
 
+    use_compilation_cache(engine)
     dtype = dtype or default_dtype()
     start = time.perf_counter()
     model = load(path, dtype=dtype, quantize=quantize, on_host=engine.parallel.num_devices > 1)

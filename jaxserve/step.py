@@ -215,9 +215,9 @@ class StepRunner:
                 f"({backend_lib.resolve(cfg.attention)}) cannot read 8-bit pages at this model's "
                 f"head_dim={model.config.head_dim} (Mosaic GPU needs a multiple of 128, Mosaic TPU none); "
                 f"use attention='reference'")
-        if cfg.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        from jaxserve.launch import use_compilation_cache
+
+        use_compilation_cache(cfg)
         self.plan = None
         self.lockstep = None
         if cfg.parallel.num_devices > 1:
