@@ -35,3 +35,23 @@ def full_forward(model: LoadedModel, ids: list[int], *, return_hidden: bool = Fa
 
 def logits_of(model: LoadedModel, ids: list[int]) -> np.ndarray:
     return np.asarray(full_forward(model, ids).logits[0])
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "condition", poll: float = 0.02) -> None:
+    """Polls `condition` until it holds; fails the test naming `what` after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

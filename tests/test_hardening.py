@@ -14,6 +14,7 @@ from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
 from jaxserve.server.server import Server, model_info
 from jaxserve.step import build_engine
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -47,14 +48,6 @@ def server(engine, smollm):
     server = start_server(engine, smollm, stream_idle_timeout_s=30.0)
     yield server
     server.stop()
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def timed_request(client: Client) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -15,18 +14,13 @@ from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
 from jaxserve.server.server import Server, model_info
 from jaxserve.step import build_engine
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow
 
 ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=8, chunk_buckets=(16, 32))
 PARIS = "The capital of France is"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

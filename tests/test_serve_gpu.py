@@ -26,6 +26,7 @@ import yaml
 
 from jaxserve.client import Client, Completion
 from jaxserve.config import EngineConfig, ServerConfig
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -37,14 +38,6 @@ CONFIGS = {  # shipped config -> the random model of its model's shape
 }
 LONG, CANCELLED, STOPPED = range(0, 8), range(8, 16), range(16, 24)  # the rest are short
 STOP = "<1"  # the random models' tokens are "<id>": about a third of them start so
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -103,7 +96,7 @@ def test_shipped_config_serves_64_mixed_streams_and_drains(shipped, tmp_path):
                 return (seen["jaxserve:num_requests_running"], seen["jaxserve:num_requests_waiting"],
                         seen["jaxserve:kv_cache_usage_perc"]) == (0, 0, 0)
 
-            wait(idle, 30, "every slot and page to be free again")
+            wait_until(idle, 30, "every slot and page to be free again", poll=0.2)
             if engine["max_slots"] > 1:  # (one slot never preempts)
                 assert seen["jaxserve:num_preemptions_total"] > 0, "the long requests preempted each other"
             # the OpenAI-compatible API on the same engine
@@ -179,12 +172,3 @@ def check_results(results: dict[int, tuple[dict, Completion | grpc.RpcError]]) -
             assert (result.finish_reason, result.completion_tokens) == ("length", request["max_tokens"]), (i, result)
     assert stopped, "some stop string was met"
 
-
-def wait(condition, timeout: float, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)

@@ -29,6 +29,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.server.server import Server, model_info
 from jaxserve.step import build_engine, compilation_count
 from tests import certs
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -66,14 +67,6 @@ def server(engine, smollm):
 def client(server):
     with Client(f"127.0.0.1:{server.port}") as client:
         yield client
-
-
-def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def pool_is_free(engine: Engine) -> bool:
@@ -443,14 +436,6 @@ def test_client_generate_streams_to_the_terminal(server):
     bad = jaxserve_cli("client", "generate", "--address", f"127.0.0.1:{server.port}", "--max-tokens", "0", PARIS,
                        timeout=120)
     assert bad.returncode == 1 and "INVALID_ARGUMENT: sampling.max_tokens=0" in bad.stderr
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
