@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -24,8 +25,12 @@ from jaxserve.engine import validation
 from jaxserve.engine.engine import Engine, Update
 from jaxserve.engine.request import Request
 from jaxserve.engine.validation import InvalidArgument, Limits
+from jaxserve.errors import InputError
+
+log = logging.getLogger(__name__)
 
 _TOKENIZER_THREADS = 4
+TEMPLATE_TIMEOUT_S = 10.0
 
 
 class Refused(Exception):
@@ -97,10 +102,20 @@ class Frontend:
         return self._room(ids, name, limits)
 
     async def encode_chat(self, messages: Any, name: str = "messages") -> list[int]:
+        """The chat's token ids; the template's output is bounded (twice max_prompt_bytes) and so is its time
+        (TEMPLATE_TIMEOUT_S: the caller is answered then, though a render thread cannot be stopped)."""
         engine, limits = self.ready(draining_ok=True)
         chat = validation.messages(messages, limits, name)
-        ids = await asyncio.get_running_loop().run_in_executor(
+        render = asyncio.get_running_loop().run_in_executor(
             self._pool, lambda: engine.tokenizer.encode_chat(chat, max_bytes=2 * limits.max_prompt_bytes))
+        try:
+            ids = await asyncio.wait_for(render, TEMPLATE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the chat template ran over %s s on a request's %d messages", TEMPLATE_TIMEOUT_S, len(chat))
+            raise InvalidArgument(f"the chat template took over {TEMPLATE_TIMEOUT_S} s on these messages") from None
+        except InputError as e:
+            log.warning("chat template failed: %s", e)  # one line: the caller gets the same as INVALID_ARGUMENT
+            raise
         return self._room(ids, name, limits)
 
     def token_ids(self, ids: Any, name: str = "token_ids") -> list[int]:
