@@ -38,6 +38,7 @@ _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LEN
 _ENDED = {"drained": grpc.StatusCode.UNAVAILABLE, "behind": grpc.StatusCode.RESOURCE_EXHAUSTED,
           "deadline": grpc.StatusCode.DEADLINE_EXCEEDED, "error": grpc.StatusCode.INTERNAL}
 M = TypeVar("M")
+_FIELDS_BYTES = 16384  # a request's fields beside its prompt: ids, stop strings, sampling
 
 
 class InferenceServicer:
@@ -75,6 +76,7 @@ class InferenceServicer:
 
     # -- RPCs --------------------------------------------------------------------------------
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        await self._check_size(raw, context)
         request = await _parse(raw, pb.GenerateRequest, context)
         try:
             _, limits = self.front.ready()
@@ -113,6 +115,7 @@ class InferenceServicer:
             await _abort(context, _ENDED[e.kind], str(e))
 
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._check_size(raw, context)
         request = await _parse(raw, pb.TokenizeRequest, context)
         try:
             ids = await self._prompt_ids(request)
@@ -131,6 +134,19 @@ class InferenceServicer:
         return self.info
 
     # -- helpers -----------------------------------------------------------------------------
+    async def _check_size(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        """Refuses, unparsed, a request too large to hold a prompt the server takes: parsing megabytes (UTF-8
+        checks included) on the event loop would hold every other call up."""
+        limits = self.front.limits
+        if limits is None:
+            return
+        # the largest prompt (text, chat contents, or token ids at up to 5 bytes each) and room for the rest
+        most = max(limits.max_prompt_bytes, 5 * limits.room) + _FIELDS_BYTES + 32 * limits.max_messages
+        if len(raw) > most:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the request is {len(raw)} bytes, more than any prompt this server takes needs ({most}; "
+                         f"max_prompt_bytes={limits.max_prompt_bytes})")
+
     async def _prompt_ids(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind is None:
