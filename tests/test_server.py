@@ -402,12 +402,23 @@ def test_tls_and_mutual_tls_round_trips(engine, smollm, tmp_path):
     key, cert = ca.issue("localhost", server=True)
     files = {"tls_key": certs.write(str(tmp_path), "server.key", key),
              "tls_cert": certs.write(str(tmp_path), "server.pem", cert)}
-    tls_server = start_server(engine, smollm, **files)
+    tls_server = start_server(engine, smollm, http_port=free_port(), **files)
     try:
         with Client(f"localhost:{tls_server.port}", tls=TLS(root_certificates=ca.pem)) as client:
             assert client.complete(prompt=PARIS, max_tokens=3).text.startswith(" Paris")
         with Client(f"localhost:{tls_server.port}") as plaintext:
             assert rpc_error(plaintext.generate(prompt=PARIS, max_tokens=2)).code() == grpc.StatusCode.UNAVAILABLE
+        # HTTP takes the same certificate
+        import ssl
+
+        body = json.dumps({"prompt": PARIS, "max_tokens": 3, "temperature": 0}).encode()
+        trusted = ssl.create_default_context(cadata=ca.pem.decode())
+        request = urllib.request.Request(f"https://localhost:{tls_server.http_port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(request, context=trusted, timeout=60).read())
+        assert answer["choices"][0]["text"].startswith(" Paris")
+        with pytest.raises(urllib.error.URLError):  # an untrusted certificate
+            urllib.request.urlopen(request, context=ssl.create_default_context(), timeout=60)
     finally:
         tls_server.stop()
 
@@ -439,9 +450,10 @@ def test_client_generate_streams_to_the_terminal(server):
 
 
 def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
-    port = free_port()
+    port, http_port = free_port(), free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text("host: 127.0.0.1\nhttp_port: 0\nmetrics_port: null\ndrain_timeout_s: 60\nmax_tokens_limit: 200\n"
+    config.write_text(f"host: 127.0.0.1\nhttp_port: {http_port}\nmetrics_port: null\ndrain_timeout_s: 60\n"
+                      "max_tokens_limit: 200\n"
                       "engine:\n  max_slots: 2\n  page_size: 16\n  num_pages: 32\n  max_pages_per_slot: 16\n"
                       "  chunk_buckets: [16]\n")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -455,14 +467,27 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
             rest: list = []
             reader = threading.Thread(target=lambda: rest.extend(call))
             reader.start()
+            # and one over HTTP, streamed
+            body = json.dumps({"prompt": PARIS, "max_tokens": 120, "ignore_eos": True, "stream": True}).encode()
+            sse = urllib.request.urlopen(urllib.request.Request(
+                f"http://127.0.0.1:{http_port}/v1/completions", data=body,
+                headers={"Content-Type": "application/json"}), timeout=120)
+            first_event = sse.readline()
+            events: list[bytes] = [first_event]
+            http_reader = threading.Thread(target=lambda: events.extend(sse))
+            http_reader.start()
             proc.send_signal(15)
             wait_until(lambda: client.health(timeout=2) == "NOT_SERVING", timeout=10, what="NOT_SERVING")
             refused = rpc_error(client.generate(prompt=PARIS, max_tokens=2))
             assert refused.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.details()
             reader.join(timeout=120)
+            http_reader.join(timeout=120)
             responses += rest
         assert responses[-1].HasField("completion"), "the in-flight stream finished"
         assert responses[-1].completion.usage.completion_tokens == 120
+        chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        assert events[-2].strip() == b"data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(chunks) == 120, "the HTTP stream finished too"
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
