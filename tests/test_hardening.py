@@ -12,9 +12,10 @@ import pytest
 
 from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
-from jaxserve.server.server import Server, model_info
+from jaxserve.server.server import Server
 from jaxserve.step import build_engine
 from tests.helpers import wait_until
+from tests.test_server import start_server as serve_on
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +35,8 @@ def engine(smollm):
 
 
 def start_server(engine, model, **overrides) -> Server:
-    cfg = ServerConfig(**{"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": None, "engine": ENGINE,
-                          "max_waiting": 2,
-                          "max_tokens_limit": 100, **overrides})
-    server = Server(cfg, model_name="smollm2")
-    server.start()
-    server.attach(engine, model_info(model, engine, cfg, dtype="float32"))
-    return server
+    """test_server's server over this module's small engine: 2 slots and 2 waiting."""
+    return serve_on(engine, model, **{"engine": ENGINE, "max_waiting": 2, "metrics_port": None, **overrides})
 
 
 @pytest.fixture

@@ -111,7 +111,10 @@ def build_app(front: Frontend, cfg: ServerConfig, metrics: Metrics, *, serving: 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         _check_model(body.model, name)
-        ids = await _guard(_async(lambda: front.token_ids(body.tokens, "tokens")))
+        try:
+            ids = front.token_ids(body.tokens, "tokens")
+        except InputError as e:
+            raise HTTPError(400, str(e)) from None
         return {"prompt": await front.decode(ids)}
 
     @app.post("/v1/completions", response_model=None)
@@ -170,10 +173,6 @@ def _check_common(body: Any, name: str) -> None:
                              "leave it out", param=unsupported[0])
     if not 1 <= body.n <= MAX_N:
         raise HTTPError(400, f"n={body.n} must be between 1 and {MAX_N}", param="n")
-
-
-async def _async(fn: Callable[[], Any]) -> Any:
-    return fn()
 
 
 async def _guard(work: Any) -> Any:

@@ -183,7 +183,6 @@ class Frontend:
                 if update.finish_reason is not None:
                     return
         finally:  # done, failed, or closed early: by its client, its deadline, or the surface (CancelledError)
-            engine.cancel(engine_id)
             engine.close_outbox(engine_id)
             self.end(engine_id)
 
