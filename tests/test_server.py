@@ -47,12 +47,13 @@ def engine(smollm):
     engine.stop()
 
 
-def start_server(engine: Engine, model, **overrides) -> Server:
+def start_server(running: Engine, model, **overrides) -> Server:
+    """A server over the started engine `running`; `overrides` are ServerConfig fields (its `engine` too)."""
     cfg = ServerConfig(**{"host": "127.0.0.1", "port": 0, "http_port": 0, "metrics_port": 0, "engine": ENGINE,
                           "max_message_bytes": 64 * 1024, "max_tokens_limit": 100, **overrides})
     server = Server(cfg, model_name="smollm2", compilations=compilation_count)
     server.start()
-    server.attach(engine, model_info(model, engine, cfg, dtype="float32"))
+    server.attach(running, model_info(model, running, cfg, dtype="float32"))
     return server
 
 
