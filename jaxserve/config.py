@@ -144,6 +144,32 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the host in the decoded text
     ignore_eos: bool = False
     logprobs: int = 0  # how many top log-probabilities to return per token (0 to 20)
+    # vLLM's semantics (jaxserve.model.sampler): presence and frequency penalise the output's tokens, repetition
+    # the prompt's and the output's; 0, 0 and 1 disable them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one; 0 disables
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # the stop tokens (end of sequence and stop_token_ids) and stop strings wait for this many
+    n: int = 1  # samples of the prompt, each from its own seed (seed + i), sharing the prompt's KV pages
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top alternatives
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the step needs this request's token counts (jaxserve.step): any of the three penalties."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def children(self) -> list[SamplingParams]:
+        """The n samples as requests of their own (n = 1 each), sample i seeded seed + i: the engine takes one
+        sample a request, and siblings share the prompt's pages through the prefix cache (jaxserve.engine)."""
+        return [dataclasses.replace(self, n=1, seed=(self.seed + i) % 2**32) for i in range(self.n)]
+
+    @property
+    def reads_every_prompt_token(self) -> bool:
+        """Whether every prompt token must pass through the step (no prefix-cache hits): penalties count the
+        prompt's tokens there, and prompt log-probabilities are computed there."""
+        return self.penalized or self.prompt_logprobs is not None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -158,6 +184,17 @@ class SamplingParams:
             raise JaxserveError(f"logprobs must be between 0 and 20, got {self.logprobs}")
         if any(not s for s in self.stop):
             raise JaxserveError("stop strings must not be empty")
+        if self.repetition_penalty <= 0:
+            raise JaxserveError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise JaxserveError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise JaxserveError(f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.n < 1:
+            raise JaxserveError(f"n must be at least 1, got {self.n}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise JaxserveError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
+
 
 
 T = TypeVar("T")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -30,8 +31,8 @@ from jaxserve.engine.engine import Engine
 from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache, page_dtype
-from jaxserve.model.sampler import commit, greedy, sample_fn
-from jaxserve.model.transformer import decode_stacked, forward
+from jaxserve.model.sampler import SAMPLING_INPUTS, commit, greedy, prompt_logprobs, sample_fn
+from jaxserve.model.transformer import decode_stacked, forward, head_logits
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from pallas_kernels import backend as backend_lib
@@ -65,14 +66,22 @@ class DeviceState(NamedTuple):
 
     cache: Any  # KVCache; with EngineConfig.decode_megakernel (k, v), every layer's pages stacked (stacked_step_fn)
     last_tokens: jax.Array  # [max_slots] int32: each slot's latest sample, the next decode row's input
+    # What the penalties read (jaxserve.model.sampler), kept current by every step from its input tokens: each
+    # slot's output token counts and which tokens its prompt holds. A slot's are reset by the step that computes
+    # its request's position 0; requests with penalties take no prefix-cache hits, so every token they hold passes
+    # through a step (SamplingParams.reads_every_prompt_token).
+    counts: jax.Array  # [max_slots, vocab] int32
+    in_prompt: jax.Array  # [max_slots, vocab] bool
 
-
-SAMPLING_INPUTS = ("slots", "seeds", "steps", "temperature", "top_k", "top_p")
+    @staticmethod
+    def zeros(cache: Any, max_slots: int, vocab: int, put: Callable[[Any], Any] = lambda x: x) -> DeviceState:
+        return DeviceState(cache, put(jnp.zeros(max_slots, jnp.int32)), put(jnp.zeros((max_slots, vocab), jnp.int32)),
+                           put(jnp.zeros((max_slots, vocab), bool)))
 
 
 # The fields of the packed step input in column order, and how many columns each takes (width w, pages p).
 _PACKED = (("page_table", lambda w, p: p), ("positions", lambda w, p: w), ("tokens", lambda w, p: w),
-           ("valid", lambda w, p: w), ("feed", None), ("slots", None), ("last", None))
+           ("valid", lambda w, p: w), ("feed", None), ("slots", None), ("last", None), ("prompt_len", None))
 # Each field starts at a multiple of 64 int32 columns (256 bytes). In a one-row bucket a field is a contiguous
 # slice of the packed array, which XLA hands to a custom call as a pointer into it instead of copying; Mosaic GPU
 # kernels refuse an operand that is not 256-byte aligned ("Input buffer 3 is not 256-byte aligned": the page
@@ -110,24 +119,30 @@ def unpack_step_input(packed: jax.Array, width: int, pages: int) -> dict[str, ja
     fields = {}
     for name, where in _packed_columns(width, pages).items():
         x = packed[:, where]
-        if name in ("feed", "slots", "last"):
+        if name in ("feed", "slots", "last", "prompt_len"):
             x = x[:, 0]
         fields[name] = x != 0 if name in ("valid", "feed") else x
     return fields
 
 
+StepResult = tuple[jax.Array, jax.Array, jax.Array | None, DeviceState]
+
+
 def step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *,
-            cfg: ModelConfig, attention: str | AttentionFn = "auto") -> tuple[jax.Array, jax.Array, DeviceState]:
+            cfg: ModelConfig, attention: str | AttentionFn = "auto") -> StepResult:
     """One forward over a bucket, taking each row's greedy token -> (packed [rows, 2 + 2 * NUM_TOP] with no top
-    log-probabilities, logits [rows, vocab] float32, state).
+    log-probabilities, logits [rows, vocab] float32, the last layer's output at every position [rows, width,
+    embed] for prompt log-probabilities (None in a one-token bucket: its position never predicts a prompt token),
+    state).
 
     Nothing here branches on a device value: XLA's GPU conditional copies its predicate to the host and
     blocks the host until the stream reaches it (ConditionalThunk), so a `lax.cond` would stall every step's
     launches behind its own forward pass. The host knows which steps sample or want top log-probabilities
     (it built their inputs) and runs `sample_fn` on the logits after those."""
-    out = forward(weights, cfg, _tokens_in(state, inp), inp["positions"], inp["valid"], inp["page_table"],
+    tokens_in = _tokens_in(state, inp)
+    out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"],
                   state.cache, logit_indices=inp["last"], attention=attention)
-    return _greedy_step(out.logits[:, 0], out.cache, state, inp)
+    return _greedy_step(out.logits[:, 0], out.final, out.cache, state, inp, tokens_in)
 
 
 def _tokens_in(state: DeviceState, inp: dict[str, jax.Array]) -> jax.Array:
@@ -136,18 +151,47 @@ def _tokens_in(state: DeviceState, inp: dict[str, jax.Array]) -> jax.Array:
     return inp["tokens"].at[:, 0].set(jnp.where(inp["feed"], fed, inp["tokens"][:, 0]))
 
 
-def _greedy_step(logits: jax.Array, cache: Any, state: DeviceState,
-                 inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, DeviceState]:
+def _greedy_step(logits: jax.Array, final: jax.Array | None, cache: Any, state: DeviceState,
+                 inp: dict[str, jax.Array], tokens_in: jax.Array) -> StepResult:
     """A step's end from its logits [rows, vocab]: each row's greedy token, packed with no top log-probabilities,
-    and the state with `cache` and the rows' tokens as their slots' last."""
+    and the state with `cache`, the rows' tokens as their slots' last and the input tokens counted."""
     tokens, chosen = greedy(logits)
     none = (jnp.zeros((logits.shape[0], NUM_TOP), jnp.int32), jnp.zeros((logits.shape[0], NUM_TOP), jnp.float32))
     packed, last_tokens = commit(chosen, tokens, state.last_tokens, inp["slots"], none)
-    return packed, logits, DeviceState(cache, last_tokens)
+    counts, in_prompt = _count_inputs(state, inp, tokens_in)
+    return packed, logits, final if tokens_in.shape[1] > 1 else None, DeviceState(cache, last_tokens, counts,
+                                                                                   in_prompt)
+
+
+def _count_inputs(state: DeviceState, inp: dict[str, jax.Array], tokens_in: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The slots' token counts and prompt tokens with this step's input tokens added: a token at a position before
+    its request's prompt_len is a prompt token, any later one an output token. A row computing position 0 starts
+    its slot afresh. Padding rows (slot max_slots) and padding positions write nothing."""
+    max_slots = state.counts.shape[0]
+    slots, valid, positions = inp["slots"], inp["valid"], inp["positions"]
+    fresh = jnp.where(valid[:, 0] & (positions[:, 0] == 0), slots, max_slots)
+    counts = state.counts.at[fresh].set(0, mode="drop")
+    in_prompt = state.in_prompt.at[fresh].set(False, mode="drop")
+    is_prompt = positions < inp["prompt_len"][:, None]
+    rows = jnp.broadcast_to(slots[:, None], tokens_in.shape)
+    in_prompt = in_prompt.at[jnp.where(valid & is_prompt, rows, max_slots), tokens_in].set(True, mode="drop")
+    counts = counts.at[jnp.where(valid & ~is_prompt, rows, max_slots), tokens_in].add(1, mode="drop")
+    return counts, in_prompt
+
+
+def prompt_fn(weights: Weights, final: jax.Array, targets: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+    """Prompt log-probabilities of a prefill step (sampler.prompt_logprobs) from its `final` [rows, width, embed]
+    and targets [rows, width] -> [rows, width, 1 + 2 * NUM_TOP]; the logits are made a block of positions at a
+    time, so a long chunk never holds [width, vocab] float32 at once."""
+    rows, width, embed = final.shape
+    block = math.gcd(rows * width, 256)
+    blocks = (final.reshape(-1, block, embed), targets.reshape(-1, block))
+    out = jax.lax.map(lambda b: prompt_logprobs(head_logits(weights, cfg, b[0]), b[1]), blocks)
+    return out.reshape(rows, width, -1)
 
 
 def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, inp: dict[str, jax.Array], *,
-                    cfg: ModelConfig, attention: str, page_size: int) -> tuple[jax.Array, jax.Array, DeviceState]:
+                    cfg: ModelConfig, attention: str, page_size: int) -> StepResult:
     """step_fn with the decode megakernel (EngineConfig.decode_megakernel): params are the weights and their layers
     stacked, and the cache is (k, v), every layer's pages stacked [layers · kv_heads · pages · page_size,
     head_dim] (decode_megakernel.stack_pages). A decode step (one row) runs every layer in one kernel
@@ -164,19 +208,21 @@ def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, i
         lengths = jnp.where(valid, inp["positions"][:, 0], 1)  # (the kernel attends over at least one position)
         logits, k_pages, v_pages = decode_stacked(weights, layers, cfg, tokens_in, lengths, table, k_pages, v_pages,
                                                   page_size, backend=attention)
+        final = None
     else:
         views = [tuple(pages.reshape(per_layer)) for pages in (k_pages, v_pages)]
         out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"],
                       KVCache(k=views[0], v=views[1], padding_page=True), logit_indices=inp["last"],
                       attention=attention)
         k_pages, v_pages = (jnp.stack(pages).reshape(k_pages.shape) for pages in (out.cache.k, out.cache.v))
-        logits = out.logits[:, 0]
-    return _greedy_step(logits, (k_pages, v_pages), state, inp)
+        logits, final = out.logits[:, 0], out.final
+    return _greedy_step(logits, final, (k_pages, v_pages), state, inp, tokens_in)
 
 
-# One jit for every single-device runner of a process: a sampler depends only on (rows, vocab, max_slots), so
-# engines of the same model share its compilations.
-_sample = jax.jit(sample_fn, donate_argnums=(1,))
+# One jit per sampler variant for every single-device runner of a process: a sampler depends only on (rows, vocab,
+# max_slots), so engines of the same model share its compilations.
+SAMPLERS = {(sort, top): jax.jit(partial(sample_fn, sort=sort, top=top), donate_argnums=(1,))
+            for sort in (False, True) for top in (False, True)}
 
 
 def pages_in_memory(stats: list[dict[str, int]], fraction: float, unit_bytes: int, unit: int, *, reserved: int,
@@ -232,9 +278,11 @@ class StepRunner:
             self.params = (self.weights, self._stacked_layers(model, dtype))
         if cfg.kv_memory_fraction:  # after the weights are in place: what remains is the pages'
             self.cfg = cfg = dataclasses.replace(cfg, num_pages=self._pages_that_fit(dtype))
+        vocab = self.model_cfg.vocab_size
         if self.plan is not None:
-            self.state = DeviceState(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype),
-                                     jax.device_put(jnp.zeros(cfg.max_slots, jnp.int32), self.plan.replicated()))
+            replicated = self.plan.replicated()
+            self.state = DeviceState.zeros(self.plan.zeros_cache(cfg.num_pages, cfg.page_size, dtype), cfg.max_slots,
+                                           vocab, lambda x: jax.device_put(x, replicated))
         else:
             zeros = partial(KVCache.zeros, model.config, cfg.num_pages, cfg.page_size, dtype, padding_page=True)
             cache: Any
@@ -244,7 +292,7 @@ class StepRunner:
                 cache = (jnp.zeros(pool.shape, pool.dtype), jnp.zeros(pool.shape, pool.dtype))
             else:
                 cache = zeros()
-            self.state = DeviceState(cache, jnp.zeros(cfg.max_slots, jnp.int32))
+            self.state = DeviceState.zeros(cache, cfg.max_slots, vocab)
         full = cfg.max_pages_per_slot
         self.buckets = sorted({(r, 1, p) for r in cfg.decode_buckets for p in cfg.decode_page_widths}
                               | {(r, c, full) for r, c in cfg.prefill_buckets})
@@ -271,15 +319,18 @@ class StepRunner:
                 self._compiled[futures[future]] = future.result()
                 log.info("compiled %d/%d step buckets (%.0f s; rows, width, pages %s)", done, len(futures),
                          time.perf_counter() - start, futures[future])
-        # The sampler (see step_fn) for each row count of the buckets, compiled by a first run on padding rows.
-        self._samplers = {r: self._jit_sampler(r) for r, _, _ in self.buckets}
-        for r in self._samplers:
+        # The sampler's variants (see step_fn) for each row count of the buckets, compiled by a first run on
+        # padding rows; and the prompt log-probabilities of each prefill bucket.
+        self._samplers = {(r, sort, top): self._jit_sampler(r, sort, top) for r, _, _ in self.buckets
+                          for sort in (False, True) for top in (False, True)}
+        for r, sort, top in self._samplers:
             padding: dict[str, Any] = vars(StepInput.build([None] * r, 1, 1, cfg.max_slots))
-            logits: Any = np.zeros((r, self.model_cfg.vocab_size), np.float32)
+            logits: Any = np.zeros((r, vocab), np.float32)
             if self.plan is not None:  # global arrays, as a mesh over processes needs
                 logits = sharding.put(logits, self._logits_sharding(r))
                 padding = {name: sharding.put(x, self.plan.replicated()) for name, x in padding.items()}
-            self._sample(r, logits, padding)
+            self._sample((r, sort, top), logits, padding)
+        self._prompt_fns = {(r, width): self._compile_prompt_fn(r, width) for r, width, _ in self.buckets if width > 1}
         compiled = time.perf_counter()
         # A first run of each bucket on padding rows (they write nothing): XLA initialises an executable
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
@@ -337,22 +388,33 @@ class StepRunner:
                            donate_argnums=(1,))
         state = jax.tree_util.tree_map(lambda x: x.sharding, self.state)
         weights = jax.tree_util.tree_map(lambda x: x.sharding, self.weights)
+        final = self.plan.replicated() if bucket[1] > 1 else None
         return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, state, self.plan.input_shardings(bucket)),
-                       out_shardings=(self.plan.replicated(), self._logits_sharding(bucket[0]), state))
+                       out_shardings=(self.plan.replicated(), self._logits_sharding(bucket[0]), final, state))
 
-    def _jit_sampler(self, rows: int) -> Any:
+    def _jit_sampler(self, rows: int, sort: bool, top: bool) -> Any:
         if self.plan is None:
-            return _sample
-        inputs = {name: self.plan.replicated() for name in SAMPLING_INPUTS}
-        return jax.jit(sample_fn, donate_argnums=(1,), in_shardings=(self._logits_sharding(rows), self.plan.replicated(),
-                                                                     inputs),
-                       out_shardings=(self.plan.replicated(), self.plan.replicated()))
+            return SAMPLERS[sort, top]
+        replicated = self.plan.replicated()
+        inputs = {name: replicated for name in SAMPLING_INPUTS}
+        return jax.jit(partial(sample_fn, sort=sort, top=top), donate_argnums=(1,),
+                       in_shardings=(self._logits_sharding(rows), replicated, replicated, replicated, inputs),
+                       out_shardings=(replicated, replicated))
 
-    def _sample(self, rows: int, logits: jax.Array, arrays: dict[str, Any]) -> jax.Array:
-        packed, last_tokens = self._samplers[rows](logits, self.state.last_tokens,
-                                                   {name: arrays[name] for name in SAMPLING_INPUTS})
-        self.state = DeviceState(self.state.cache, last_tokens)
+    def _sample(self, variant: tuple[int, bool, bool], logits: jax.Array, arrays: dict[str, Any]) -> jax.Array:
+        state = self.state
+        packed, last_tokens = self._samplers[variant](logits, state.last_tokens, state.counts, state.in_prompt,
+                                                      {name: arrays[name] for name in SAMPLING_INPUTS})
+        self.state = state._replace(last_tokens=last_tokens)
         return packed
+
+    def _compile_prompt_fn(self, rows: int, width: int) -> Any:
+        """prompt_fn compiled for a prefill bucket's final hidden states."""
+        dtype = self.weights.final_norm.dtype
+        spec = {"sharding": self.plan.replicated()} if self.plan is not None else {}
+        final = jax.ShapeDtypeStruct((rows, width, self.model_cfg.hidden_size), dtype, **spec)
+        targets = jax.ShapeDtypeStruct((rows, width), jnp.int32, **spec)
+        return jax.jit(partial(prompt_fn, cfg=self.model_cfg)).lower(self.weights, final, targets).compile()
 
     def _logits_sharding(self, rows: int) -> Any:
         assert self.plan is not None
@@ -365,14 +427,21 @@ class StepRunner:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
         if self.lockstep is not None:
             self.lockstep.send(inp)
-        packed = self._run(inp)
-        if self.plan is not None:
-            return lambda: StepOutput.unpack(np.asarray(packed.addressable_data(0)))
-        return lambda: StepOutput.unpack(np.asarray(packed))
+        packed, prompt = self._run(inp)
 
-    def _run(self, inp: StepInput) -> jax.Array:
-        """Enqueues the step of `inp`, then the sampler on its logits if a row samples or wants top
-        log-probabilities; returns the packed result of the last."""
+        def local(x: jax.Array) -> np.ndarray:
+            return np.asarray(x.addressable_data(0) if self.plan is not None else x)
+
+        if prompt is None:
+            return lambda: StepOutput.unpack(local(packed))
+        if (plan := self.plan) is not None:
+            return lambda: StepOutput.unpack(local(packed), plan.restore_order(local(prompt)))
+        return lambda: StepOutput.unpack(local(packed), local(prompt))
+
+    def _run(self, inp: StepInput) -> tuple[jax.Array, jax.Array | None]:
+        """Enqueues the step of `inp`, then the sampler on its logits if a row needs it (StepInput.samples), and
+        the prompt log-probabilities if a row wants them; returns the packed result of the last sampling and the
+        prompt log-probabilities (or None)."""
         compiled = self._compiled[inp.shape]
         arrays = vars(inp)
         if self.plan is not None:
@@ -381,10 +450,14 @@ class StepRunner:
                 shardings = self.plan.input_shardings(inp.shape)
                 arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
         step_inputs = arrays if self.plan is not None else pack_step_input(inp)
-        packed, logits, self.state = compiled(self.params, self.state, step_inputs)
-        if inp.temperature.any() or inp.want_top.any():
-            packed = self._sample(inp.shape[0], logits, arrays)
-        return packed
+        packed, logits, final, self.state = compiled(self.params, self.state, step_inputs)
+        if inp.samples:
+            packed = self._sample((inp.shape[0], inp.sorts, bool(inp.want_top.any())), logits, arrays)
+        prompt = None
+        if final is not None and (inp.targets >= 0).any():
+            targets: Any = inp.targets if self.plan is None else sharding.put(arrays["targets"], self.plan.replicated())
+            prompt = self._prompt_fns[inp.shape[:2]](self.weights, final, targets)
+        return packed, prompt
 
     def follow(self) -> None:
         """A follower's loop: runs each step the leader broadcasts, until the leader closes."""

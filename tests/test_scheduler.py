@@ -210,7 +210,7 @@ def test_prefill_budget_is_independent_of_the_compiled_widths():
     assert EngineConfig(chunk_buckets=(32,), prefill_rows=(1, 2, 8)).prefill_buckets == ((1, 32),)
     scheduler = Scheduler(cfg)
     for i in range(12):
-        scheduler.add(Request(f"r{i}", list(range(30)), SamplingParams(max_tokens=4), arrival=i))
+        scheduler.add(Request(f"r{i}", list(range(i, i + 30)), SamplingParams(max_tokens=4), arrival=i))
     plan = scheduler.schedule()
     assert [c.request.request_id for c in plan.prefill] == [f"r{i}" for i in range(8)]
     assert plan.prefill_width == 32
@@ -282,7 +282,7 @@ def test_every_packed_field_of_a_one_row_step_starts_256_byte_aligned():
         packed = pack_step_input(StepInput.build([None], width, pages, 4))
         starts = [where.start * packed.itemsize for where in _packed_columns(width, pages).values()]
         assert all(start % 256 == 0 for start in starts), (width, pages, starts)
-        assert packed.shape[1] == _packed_columns(width, pages)["last"].stop
+        assert packed.shape[1] == _packed_columns(width, pages)["prompt_len"].stop
 
 
 def test_the_engine_package_imports_no_jax():

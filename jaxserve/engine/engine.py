@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from jaxserve.config import EngineConfig, SamplingParams
-from jaxserve.engine.batch import StepInput, StepOutput
+from jaxserve.engine.batch import MAX_SUPPRESSED, NUM_TOP, StepInput, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
@@ -55,6 +57,9 @@ class Update:
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # set with finish_reason "error": what went wrong
+    # with SamplingParams.prompt_logprobs, on the update of the first token: every prompt position's entry (None
+    # at the first)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 @dataclass
@@ -118,6 +123,12 @@ class Engine:
                 f"context of {self.context_len} tokens; shorten the prompt or lower max_tokens"
             )
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        if params.min_tokens and len(stop_ids) > MAX_SUPPRESSED:
+            raise InputError(f"min_tokens={params.min_tokens} holds back at most {MAX_SUPPRESSED} stop tokens; this "
+                             f"request has {len(stop_ids)} (stop_token_ids and end of sequence)")
+        if params.n != 1:
+            raise InputError(f"n={params.n}: the engine takes one sample a request; submit each of "
+                             "SamplingParams.children()")
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
                           frozenset(stop_ids), priority=priority, deadline=deadline)
         self.scheduler.check_fits(request)
@@ -278,9 +289,26 @@ class Engine:
         for rows, out in outputs:
             tokens, logprobs = out.tokens.tolist(), out.logprobs.tolist()  # Python numbers, once for every row
             for i, chunk in enumerate(rows):
-                if chunk is not None:
-                    self._commit(chunk, out, i, tokens[i], logprobs[i])
+                if chunk is None:
+                    continue
+                if out.prompt is not None and chunk.request.params.prompt_logprobs is not None:
+                    self._record_prompt_logprobs(chunk, out.prompt[i])
+                self._commit(chunk, out, i, tokens[i], logprobs[i])
         self.stats.commit_s += time.perf_counter() - read
+
+    @staticmethod
+    def _record_prompt_logprobs(chunk: Chunk, values: np.ndarray) -> None:
+        """The prompt log-probabilities a prefill chunk computed (StepOutput.prompt's row): position p's logits
+        give token p + 1's entry. A chunk recomputed after a preemption writes the same entries again."""
+        request = chunk.request
+        prompt = len(request.prompt_ids)
+        if not request.prompt_logprobs:
+            request.prompt_logprobs = [None] * prompt
+        k = request.params.prompt_logprobs or 0
+        for j in range(max(0, min(chunk.length, prompt - 1 - chunk.start))):
+            entry = values[j]
+            top = [(int(t), float(lp)) for t, lp in zip(entry[1:1 + k], entry[1 + NUM_TOP:1 + NUM_TOP + k])]
+            request.prompt_logprobs[chunk.start + j + 1] = (float(entry[0]), top)
 
     def _commit(self, chunk: Chunk, out: StepOutput, row: int, token: int, logprob: float) -> None:
         request = chunk.request
@@ -297,13 +325,15 @@ class Engine:
             top = [(int(i), float(lp)) for i, lp in zip(out.top_ids[row, :n], out.top_logprobs[row, :n])]
             logprobs = [(logprob, top)]
             request.logprobs.extend(logprobs)
+        first = not request.output_ids
         request.token_times.append(time.perf_counter())
         self.scheduler.commit(chunk, token)
         text = self._detok[request.request_id].push(token)
         if request.finished:
             text += self._detok[request.request_id].flush()
         text = self._apply_stop_strings(request, text)
-        self._emit(request, [token], text, logprobs)
+        prompt = request.prompt_logprobs if first and request.params.prompt_logprobs is not None else None
+        self._emit(request, [token], text, logprobs, prompt_logprobs=prompt)
 
     def _end_with_error(self, request: Request, message: str) -> None:
         """Frees the request's slot and pages and sends its last Update, with finish_reason "error"."""
@@ -314,6 +344,8 @@ class Engine:
     def _apply_stop_strings(self, request: Request, delta: str) -> str:
         """Cuts the text at the first stop string and finishes the request there."""
         stops = request.params.stop
+        if len(request.output_ids) < request.params.min_tokens:  # (vLLM's: the min_tokens-th token's text may stop)
+            stops = ()
         if not stops or not delta:
             request.text += delta
             return delta
@@ -333,11 +365,12 @@ class Engine:
             request.finish_reason = "stop"
         return emitted
 
-    def _emit(self, request: Request, ids: list[int], text: str, logprobs: list, error: str | None = None) -> None:
+    def _emit(self, request: Request, ids: list[int], text: str, logprobs: list, error: str | None = None, *,
+              prompt_logprobs: list | None = None) -> None:
         sink = self._sinks.get(request.request_id)
         if sink is not None:
             sink(Update(request.request_id, ids, text, logprobs, request.finish_reason if request.finished else None,
-                        error))
+                        error, prompt_logprobs))
         if request.finished:
             self._requests.pop(request.request_id, None)
             self._detok.pop(request.request_id, None)

@@ -38,6 +38,9 @@ class Request:
     deadline: float | None = None  # time.monotonic() past which the caller no longer waits: never scheduled after it
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: an entry per prompt position, None at the first (nothing predicts it)
+    # and until the prefill computes it
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
     state: State = State.WAITING
     slot: int | None = None
     pages: list[int] = field(default_factory=list)

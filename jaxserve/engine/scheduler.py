@@ -81,11 +81,26 @@ class Scheduler:
         request.finish_reason = request.finish_reason or "abort"
 
     def _admit(self) -> None:
+        deferred: list[Request] = []
+        try:
+            self._admit_in_order(deferred)
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+
+    def _admit_in_order(self, deferred: list[Request]) -> None:
+        """Admits waiting requests in order while slots and pages last. One whose next uncached prefix page a
+        running request is computing now (the same prompt, or n > 1's siblings) waits for that prefill and then
+        shares its pages instead of computing them again; it goes to `deferred`, keeping its place."""
         while self.waiting and self.slots.num_free:
             request = self.waiting[0]
             assert not request.unread, "a preempted request's last token is read before it is admitted again"
             reusable = (request.num_tokens - 1) // self.cfg.page_size  # the last token's page stays private
-            hashes = self._hashes(request, reusable)[:reusable]  # kept on the request: hashed once, however long it waits
+            hashes: list[int] = []
+            if not request.params.reads_every_prompt_token:  # (those take no cached pages: see SamplingParams)
+                hashes = self._hashes(request, reusable)[:reusable]  # kept: hashed once, however long it waits
+                if self._computed_elsewhere(hashes):
+                    deferred.append(self.waiting.popleft())
+                    continue
             # A new request starts once its first chunk's pages are free. One that was preempted waits until its
             # whole sequence fits beside a page of growth for every running request: back on its first chunk's
             # pages alone it would be the first preempted again (the latest arrival), over and over. With
@@ -111,6 +126,20 @@ class Scheduler:
             request.state = State.RUNNING
             request.scheduled_at = request.scheduled_at or time.perf_counter()
             self.running.append(request)
+
+    def _computed_elsewhere(self, hashes: list[int]) -> bool:
+        """Whether the first of these prefix hashes with no cached page is a prompt page of a running request that
+        is still computing it."""
+        cached = self.pages.cached_prefix(hashes)
+        if cached == len(hashes):
+            return False
+        size = self.cfg.page_size
+        for other in self.running:
+            full = len(other.prompt_ids) // size
+            if full > cached and other.num_committed < (cached + 1) * size and \
+                    self._hashes(other, full)[cached] == hashes[cached]:
+                return True
+        return False
 
     def _hashes(self, request: Request, count: int) -> list[int]:
         """The request's kept prefix-hash chain, extended to at least `count` full pages (only pages not hashed

@@ -1,7 +1,14 @@
-"""Per-row sampling: greedy, temperature, top-k and top-p, each row with its own parameters.
+"""Per-row sampling with vLLM's semantics, each row with its own parameters, batched on the device.
 
-Randomness is keyed by (row seed, token index), so a request samples the same tokens whatever
-else shares its batch.
+A row's logits pass, in vLLM's order: its logit biases (which also carry min_tokens' suppression of the stop
+tokens, as -inf), then the repetition, frequency and presence penalties, then the greedy choice for rows at
+temperature 0, else temperature, min-p, top-k and top-p, and a draw. Returned log-probabilities are the model's
+own (vLLM's default "raw" log-probabilities), before any of that.
+
+Randomness is keyed by (row seed, token index), so a request samples the same tokens whatever else shares its
+batch. Every parameter is an array with a row each, so no mix of settings recompiles; the one choice made at
+compile time is whether the step pays a vocabulary sort (`sort`: some row has top-k or top-p), which the host
+knows when it builds the step.
 """
 
 from __future__ import annotations
@@ -11,36 +18,56 @@ import jax.numpy as jnp
 
 from jaxserve.engine.batch import NUM_TOP
 
-
-def sample(
-    logits: jax.Array,  # [b, vocab] float32
-    seeds: jax.Array,  # [b] uint32
-    steps: jax.Array,  # [b] int32: index of the token being sampled, mixed into the key
-    temperature: jax.Array,  # [b] float32; 0 means greedy
-    top_k: jax.Array,  # [b] int32; 0 means no limit
-    top_p: jax.Array,  # [b] float32; 1 means no limit
-) -> jax.Array:  # [b] int32
-    """Draws one token per row (greedy where the temperature is 0). Every row pays the vocabulary sort: the
-    engine calls this only for steps where some row samples (jaxserve.step), deciding on the host."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, _draw(logits, seeds, steps, temperature, top_k, top_p), greedy)
+# The per-row arrays `sample_fn` reads, beside the logits and the device's token counts (see jaxserve.step).
+SAMPLING_INPUTS = ("slots", "seeds", "steps", "temperature", "top_k", "top_p", "min_p", "presence", "frequency",
+                   "repetition", "bias_ids", "bias")
 
 
-def _draw(logits: jax.Array, seeds: jax.Array, steps: jax.Array, temperature: jax.Array, top_k: jax.Array,
-          top_p: jax.Array) -> jax.Array:
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # descending
+def penalized(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, inp: dict[str, jax.Array]) -> jax.Array:
+    """The logits [b, vocab] after each row's logit biases and penalties, vLLM's `apply_penalties`:
+    repetition divides a positive logit (multiplies a negative one) of every token seen in the prompt or the output;
+    frequency subtracts penalty × the token's count in the output; presence subtracts penalty once it occurs.
+    counts [b, vocab] int32 are the output's token counts, in_prompt [b, vocab] bool the prompt's tokens."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    x = logits.at[rows, inp["bias_ids"]].add(inp["bias"], mode="drop")  # ids past the vocabulary are unused slots
+    seen = in_prompt | (counts > 0)
+    repetition = inp["repetition"][:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / repetition, x * repetition), x)
+    return x - inp["frequency"][:, None] * counts - inp["presence"][:, None] * (counts > 0)
+
+
+def filtered(x: jax.Array, inp: dict[str, jax.Array], *, sort: bool) -> jax.Array:
+    """Scaled logits [b, vocab] of the rows' sampling distributions: temperature, then min-p (tokens below min_p ×
+    the top probability dropped), then, with `sort`, top-k and top-p (the smallest set of most likely tokens whose
+    mass reaches top_p). Dropped tokens are -inf. Rows at temperature 0 are left at temperature 1 (greedy takes
+    the argmax before this)."""
+    temperature = inp["temperature"]
+    x = x / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    best = jnp.max(x, axis=-1, keepdims=True)
+    # p >= min_p · p_max  <=>  x - x_max >= log(min_p); min_p 0 keeps everything (log 0 = -inf)
+    x = jnp.where(x - best >= jnp.log(inp["min_p"])[:, None], x, -jnp.inf)
+    if not sort:
+        return x
+    vocab = x.shape[-1]
+    sorted_x, order = jax.lax.top_k(x, vocab)  # descending
     rank = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
-    keep = rank < k
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep = rank < jnp.where(inp["top_k"] > 0, inp["top_k"], vocab)[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, sorted_x, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-    keep &= (before < top_p[:, None]) | (rank == 0)
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)
-    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    keep &= (before < inp["top_p"][:, None]) | (rank == 0)
+    kept = jnp.where(keep, sorted_x, -jnp.inf)
+    return jnp.full_like(x, -jnp.inf).at[jnp.arange(x.shape[0])[:, None], order].set(kept)
+
+
+def sample(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, inp: dict[str, jax.Array], *,
+           sort: bool) -> jax.Array:
+    """One token per row [b] int32: the argmax of the penalized logits at temperature 0, else a draw from
+    `filtered`'s distribution."""
+    x = penalized(logits, counts, in_prompt, inp)
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(inp["seeds"], inp["steps"])
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered(x, inp, sort=sort)).astype(jnp.int32)
+    return jnp.where(inp["temperature"] > 0, drawn, greedy_tokens)
 
 
 def greedy(logits: jax.Array, *, one_pass: bool | None = None) -> tuple[jax.Array, jax.Array]:
@@ -78,21 +105,38 @@ def greedy(logits: jax.Array, *, one_pass: bool | None = None) -> tuple[jax.Arra
     return tokens, -jnp.log(jnp.sum(jnp.exp(logits - best), axis=-1))
 
 
-def sample_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """A step's tokens drawn with each row's sampling parameters, and every row's top log-probabilities, from the
-    step's logits -> (packed, last_tokens); replaces what `step_fn` returned for that step."""
-    tokens = sample(logits, inp["seeds"], inp["steps"], inp["temperature"], inp["top_k"], inp["top_p"])
+def sample_fn(logits: jax.Array, last_tokens: jax.Array, counts: jax.Array, in_prompt: jax.Array,
+              inp: dict[str, jax.Array], *, sort: bool, top: bool) -> tuple[jax.Array, jax.Array]:
+    """A step's tokens drawn with each row's parameters from the step's logits -> (packed, last_tokens); replaces
+    what `step_fn` returned for that step. counts and in_prompt are the device's per-slot arrays (jaxserve.step's
+    DeviceState), read at the rows' slots. With `top`, every row's NUM_TOP most likely tokens come too."""
+    slots = jnp.minimum(inp["slots"], counts.shape[0] - 1)  # (padding rows read some slot; their token is dropped)
+    tokens = sample(logits, counts[slots], in_prompt[slots], inp, sort=sort)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    rows = logits.shape[0]
+    if top:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    else:
+        top_ids, top_logprobs = jnp.zeros((rows, NUM_TOP), jnp.int32), jnp.zeros((rows, NUM_TOP), jnp.float32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return commit(chosen, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
 
 
 def commit(chosen: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
-            top: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+           top: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(packed [rows, 2 + 2 * NUM_TOP]: token, its log-probability `chosen`, top ids, top log-probabilities; each
     slot's last token, the next decode row's input, set to the row's token)."""
     top_ids, top_logprobs = top
     packed = jnp.concatenate([tokens[:, None].astype(jnp.float32), chosen[:, None], top_ids.astype(jnp.float32),
                               top_logprobs.astype(jnp.float32)], axis=-1)
     return packed, last_tokens.at[slots].set(tokens, mode="drop")
+
+
+def prompt_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Log-probabilities of prompt tokens from the logits [n, vocab] of the positions before them: targets [n]
+    (-1 where there is none) -> [n, 1 + 2 * NUM_TOP] float32: the target's log-probability, the NUM_TOP most likely
+    ids (as float) and their log-probabilities."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    target = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)
+    return jnp.concatenate([target, top_ids.astype(jnp.float32), top_logprobs], axis=-1)

@@ -27,6 +27,8 @@ class ForwardOutput(NamedTuple):
     logits: jax.Array  # [batch, seq, vocab] float32
     cache: KVCache
     hidden_states: tuple[jax.Array, ...]  # inputs of each layer, when asked for; else ()
+    final: jax.Array | None = None  # [batch, seq, embed]: the last layer's output at every position, before the
+    # final norm (what prompt log-probabilities are computed from, jaxserve.step)
 
 
 def normed_linear(x: jax.Array, gain: jax.Array, w: Any, eps: float, *, preferred_element_type: Any = None) -> jax.Array:
@@ -137,12 +139,18 @@ def forward(
                              cfg=cfg, attention=attention_fn)
         ks.append(k_i)
         vs.append(v_i)
+    final = x[:rows]
     if logit_indices is not None:
         x = jnp.take_along_axis(x, _pad_rows(logit_indices, x.shape[0] - rows)[:, None, None], axis=1)
-    head = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
+    logits = head_logits(weights, cfg, x)
     return ForwardOutput(logits[:rows], KVCache(k=tuple(ks), v=tuple(vs), padding_page=cache.padding_page),
-                         tuple(hidden))
+                         tuple(hidden), final)
+
+
+def head_logits(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Logits (float32) of the last layer's output x [..., embed]: the final norm, then the output head."""
+    head = weights.embed if weights.lm_head is None else weights.lm_head
+    return normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
 
 
 def decode_stacked(weights: Weights, layers: decode_megakernel.StackedLayers, cfg: ModelConfig, tokens: jax.Array,
@@ -158,10 +166,7 @@ def decode_stacked(weights: Weights, layers: decode_megakernel.StackedLayers, cf
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     h, k_pages, v_pages = decode_megakernel.decode_layers(cfg, layers, x, k_pages, v_pages, page_table, lengths,
                                                           inv_freq, page_size, backend=backend, **options)
-    head = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = normed_linear(h.astype(weights.final_norm.dtype), weights.final_norm, head, cfg.rms_norm_eps,
-                           preferred_element_type=jnp.float32)
-    return logits, k_pages, v_pages
+    return head_logits(weights, cfg, h.astype(weights.final_norm.dtype)), k_pages, v_pages
 
 
 def _pad_rows(x: jax.Array, pad: int) -> jax.Array:

@@ -28,7 +28,7 @@ from jaxserve.parallel.ring import zigzag_order
 log = logging.getLogger(__name__)
 
 AXES = ("data", "seq", "model")
-TOKEN_INPUTS = ("tokens", "positions", "valid")  # the StepInput arrays of shape [rows, width]
+TOKEN_INPUTS = ("tokens", "positions", "valid", "targets")  # the StepInput arrays of shape [rows, width]
 
 
 def make_mesh(parallel: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
@@ -115,6 +115,11 @@ class MeshPlan:
         where = np.argsort(order).astype(np.int32)
         return dataclasses.replace(inp, **{name: getattr(inp, name)[:, order] for name in TOKEN_INPUTS},
                                    last=where[inp.last])
+
+    def restore_order(self, x: np.ndarray) -> np.ndarray:
+        """Per-position results [rows, width, ...] of a reordered chunk, back in position order."""
+        n, width = self.mesh.shape["seq"], x.shape[1]
+        return x if n == 1 or width == 1 else x[:, np.argsort(zigzag_order(width, n))]
 
     def replicated(self) -> NamedSharding:
         return self.sharding(P())
