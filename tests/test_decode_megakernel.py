@@ -135,9 +135,10 @@ def _stacked_inputs(cfg, length: int, page_size: int, abstract: bool = False, ti
 
 
 def test_megakernel_lowers_for_the_gpu():
-    """The Mosaic GPU megakernel builds and lowers for CUDA (no GPU needed: shapes only), and refuses more than
-    one row by name."""
+    """The Mosaic GPU megakernel builds and lowers for CUDA (no GPU needed: shapes only), and refuses by name more
+    than one row, weights stacked row-major, and more programs than gate_up's runs can sum a row's squares over."""
     from pallas_kernels.decode_megakernel import mosaic_gpu
+    from pallas_kernels.decode_megakernel.plan import Config
 
     cfg = ModelConfig(**{**LLAMA_8B_2.__dict__, "num_layers": 1})
     st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, 200, 16, abstract=True)
@@ -147,6 +148,11 @@ def test_megakernel_lowers_for_the_gpu():
     with pytest.raises(ValueError, match=r"one row: x must be \[1, 4096\], got \(2, 4096\)"):
         mosaic_gpu.decode_layers(cfg, st, jax.ShapeDtypeStruct((2, 4096), jnp.float32), k_pages, v_pages, table,
                                  lengths, inv_freq, 16)
+    row_major = _stacked_inputs(cfg, 200, 16, abstract=True, tiles=False)[0]
+    with pytest.raises(ValueError, match=r"weight tiles .*got a weight of shape \[6144, 4096\]"):
+        mosaic_gpu.decode_layers(cfg, row_major, x, k_pages, v_pages, table, lengths, inv_freq, 16)
+    with pytest.raises(ValueError, match="runs of 14 units at 256 programs are shorter"):
+        Config(model=cfg, layers=1, programs=256, page_size=16, pool=26)
 
 
 def test_megakernel_names_the_models_and_pages_it_does_not_take(smollm):
@@ -172,16 +178,16 @@ def test_megakernel_names_the_models_and_pages_it_does_not_take(smollm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length,page_size,tiles", [(200, 16, True), (256, 128, True), (256, 128, False)])
-def test_megakernel_is_the_reference_on_the_gpu(length, page_size, tiles):
-    """Two 8B-shaped layers by the kernel and by reference.decode_layers, on random int8 weights and pages: the
-    layers' output and every K/V page (the new token's written) agree; a partial last block at 200 positions; the
-    weights as stack_layers' tiles or row-major."""
+@pytest.mark.parametrize("length,page_size", [(200, 16), (256, 128)])
+def test_megakernel_is_the_reference_on_the_gpu(length, page_size):
+    """Two 8B-shaped layers by the kernel and by reference.decode_layers, on random int8 weights (stack_layers'
+    tiles) and pages: the layers' output and every K/V page (the new token's written) agree; a partial last block at
+    200 positions."""
     from pallas_kernels.decode_megakernel import mosaic_gpu, reference
 
     assert jax.default_backend() == "gpu"
     cfg = LLAMA_8B_2
-    st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, length, page_size, tiles=tiles)
+    st, x, k_pages, v_pages, table, lengths = _stacked_inputs(cfg, length, page_size)
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda *a: reference.decode_layers(cfg, *a, inv_freq, page_size))(

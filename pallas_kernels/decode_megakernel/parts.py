@@ -1,6 +1,6 @@
-"""Activations as int8 parts for int8 x int8 wgmma: the decode megakernel's products (mosaic_gpu.py). First built
-as a BlockSizes option of the int8 matmul (in git's history), slower there per product; in the
-megakernel each unit's activations are split once by a warpgroup of their own, off the products' critical path.
+"""Activations as int8 parts for int8 x int8 wgmma: the decode megakernel's products (mosaic_gpu.py). Each unit's
+activations are split once, by a warpgroup of their own (converter.py), off the products' critical path, so that the
+compute warpgroups multiply the int8 weights straight from shared memory with no conversion.
 
 split_parts is the reference (XLA); split_tile the same split by one warpgroup in inline PTX; ring_product_parts the
 products of a ring of weight tiles with the parts (int32 sums a 128-input run, weighted by the run's unit).
@@ -21,6 +21,7 @@ from pallas_kernels.quantized_matmul import mosaic_gpu as qmm_gpu
 
 PART_INPUTS = 128  # inputs sharing one exponent: one 128-byte swizzle row of int8
 PARTS = 3  # 3 int8 parts: every bfloat16 value within 2^-14 of its run's largest exact (split_parts)
+THREAD_INPUTS = 4  # inputs a thread of split_tile takes: the shortest chain a thread, for a converter on the critical path
 
 
 def unit_columns(block_m: int) -> int:
@@ -104,8 +105,8 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
                                 for i in range(words))
         squares = "\n".join(f"fma.rn.f32 ss, v{i}, v{i}, ss;" for i in range(1, inputs))
         gained = "\n".join(f"mul.f32 v{i}, v{i}, g{i};" for i in range(inputs))
-        # a row's sum over its threads by shuffles first (one shared add a warp: 64 adds to one address, one after
-        # another, cost the converter ~40 us a layer in a first run)
+        # a row's sum over its threads by shuffles first, then one shared add a warp: 64 adds to one address, one
+        # after another, cost the converter ~40 us a layer
         lanes = min(32, per_row)  # threads of one row in a warp
         row_sum = "\n".join(f"shfl.sync.bfly.b32 s2, ss, {1 << b}, 0x1f, 0xffffffff; add.f32 ss, ss, s2;"
                              for b in range(lanes.bit_length() - 1))
@@ -172,24 +173,21 @@ def _split_ptx(segment: int, parts: int, block_m: int, block_k: int, cols: int, 
         }}"""
 
 
-def split_tile(raw, parts_ref, units_ref, *, parts: int, inputs: int = 16, rows: int | None = None, gain=None,
-               squares=None) -> None:
+def split_tile(raw, parts_ref, units_ref, *, rows: int, gain=None, squares=None) -> None:
     """The activation tile raw [block_m, >= block_k] float32 (shared memory, untiled; its rows' first block_k) -> its
-    int8 parts parts_ref [parts · block_m, block_k] (tiled + swizzled for wgmma) and units_ref [block_k // PART_INPUTS,
-    cols] (untiled), as split_parts would make them, by the warpgroup that calls it: `inputs` inputs a thread
-    (4, 8 or 16), in inline PTX (_split_ptx). `rows`: split only the tile's first rows (rounded up to what a pass of
-    the warpgroup covers); the parts of the others are left as they were. `gain` [block_k] float32 and `squares`
-    [>= rows] float32 (shared memory, both or neither): the inputs are multiplied by the gain before the split (an
-    RMS norm's gain), and the squares of each of the first `rows` rows' inputs, before it, are added into its
-    entry of `squares` (for the norm's 1/rms, which multiplies the product's output instead). On the chip only."""
+    PARTS int8 parts parts_ref [PARTS · block_m, block_k] (tiled + swizzled for wgmma) and units_ref
+    [block_k // PART_INPUTS, cols] (untiled), as split_parts would make them, by the warpgroup that calls it:
+    THREAD_INPUTS inputs a thread, in inline PTX (_split_ptx). Only the tile's first `rows` rows are split (rounded up
+    to what a pass of the warpgroup covers); the parts of the others are left as they were. `gain` [block_k] float32
+    and `squares` [>= rows] float32 (shared memory, both or neither): the inputs are multiplied by the gain before the
+    split (an RMS norm's gain), and the squares of each of the first `rows` rows' inputs, before it, are added into
+    its entry of `squares` (for the norm's 1/rms, which multiplies the product's output instead). On the chip only."""
     block_k = parts_ref.shape[-1]
-    block_m = parts_ref.shape[-2] // parts
+    block_m = parts_ref.shape[-2] // PARTS
     if raw.shape[0] != block_m or raw.shape[1] < block_k:
         raise ValueError(f"raw {raw.shape} must hold {block_m} rows of at least {block_k} inputs")
-    if inputs not in (4, 8, 16):
-        raise ValueError(f"inputs a thread must be 4, 8 or 16, got {inputs}")
     row_bytes = 4 * raw.shape[1]
-    segments = -(-(rows or block_m) * block_k // (128 * inputs))
+    segments = -(-rows * block_k // (128 * THREAD_INPUTS))
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, gpu, llvm
@@ -208,28 +206,27 @@ def split_tile(raw, parts_ref, units_ref, *, parts: int, inputs: int = 16, rows:
         thread = arith.andi(arith.index_cast(i32, gpu.thread_id(gpu.Dimension.x)), mgpu_utils.c(127, i32))
         for segment in range(segments):
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [thread, *address],
-                            _split_ptx(segment, parts, block_m, block_k, units_ref.type.shape[-1], row_bytes, inputs,
-                                       gain=bool(more), rows=rows or block_m),
+                            _split_ptx(segment, PARTS, block_m, block_k, units_ref.type.shape[-1], row_bytes,
+                                       THREAD_INPUTS, gain=bool(more), rows=rows),
                             ",".join("r" * (4 + len(more))), has_side_effects=True)
 
     split(raw, parts_ref, units_ref, *extra)
 
 
-def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of, *,
-                       parts: int = PARTS) -> jax.Array:
+def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, last, slot_of) -> jax.Array:
     """[64, block_m] float32: int8 weight rows `rows` times activations in int8 parts (split_parts' form) over ring
-    steps [first, last), as qmm_gpu.ring_product takes them: x_smem [stages, parts · block_m, block_k] int8 (tiled +
+    steps [first, last), as qmm_gpu.ring_product takes them: x_smem [stages, PARTS · block_m, block_k] int8 (tiled +
     swizzled) and e_smem [stages, block_k // PART_INPUTS, unit_columns(block_m)] float32 units. Each 128-input run is one int8
     wgmma with both operands in shared memory (the weight rows as A, the parts K-major as B) into an int32
     accumulator of its own; its parts' sums are then weighted (1, 256, ...), times the run's units, into the float32
     total. No weight passes through registers."""
-    block_m, block_k = x_smem.shape[1] // parts, x_smem.shape[2]
+    block_m, block_k = x_smem.shape[1] // PARTS, x_smem.shape[2]
     chunks = [pl.ds(c, PART_INPUTS) for c in range(0, block_k, PART_INPUTS)]
 
     def weighted(total, sums, unit_of):  # total + the runs' sums of parts, each times its run's units
         for c, part in enumerate(sums):
             unit = unit_of(c)
-            for j in range(parts):
+            for j in range(PARTS):
                 scale = lax.broadcast_in_dim(unit * float(256 ** j), (qmm_gpu.ROWS, block_m), [1])
                 total = total + part[:, j * block_m:(j + 1) * block_m].astype(jnp.float32) * scale
         return total
@@ -246,7 +243,7 @@ def ring_product_parts(w_smem, x_smem, e_smem, tile_bar, free_bar, rows, first, 
             plgpu.wgmma_wait(0)
             return [acc_ref[...] for acc_ref in acc_refs]
 
-        sums = pl.run_scoped(products, *[plgpu.ACC((qmm_gpu.ROWS, parts * block_m), jnp.int32) for _ in chunks])
+        sums = pl.run_scoped(products, *[plgpu.ACC((qmm_gpu.ROWS, PARTS * block_m), jnp.int32) for _ in chunks])
         total = weighted(total, sums, lambda c: col_vec(e_smem.at[slot, c, pl.ds(0, block_m)][...]))
         plgpu.barrier_arrive(free_bar.at[slot])  # the units are read: the slot goes back
         return total
