@@ -55,15 +55,13 @@ PAGE_SIZE = EngineConfig.page_size  # the engine's default
 def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> dict[str, np.ndarray]:
     """One decode step's StepInput for `batch` slots, each `context` tokens in, over distinct pages."""
     rng = np.random.default_rng(0)
-    inp = StepInput(
-        tokens=rng.integers(0, vocab, (batch, 1), dtype=np.int32), feed=np.zeros(batch, bool),
-        slots=np.arange(batch, dtype=np.int32), positions=np.full((batch, 1), context, np.int32),
-        valid=np.ones((batch, 1), bool),
-        page_table=np.arange(batch * pages_per_slot, dtype=np.int32).reshape(batch, pages_per_slot),
-        last=np.zeros(batch, np.int32), seeds=np.zeros(batch, np.uint32), steps=np.zeros(batch, np.int32),
-        temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
-        want_top=np.zeros(batch, bool),
-    )
+    inp = StepInput.build([None] * batch, 1, pages_per_slot, batch)
+    inp.tokens[:] = rng.integers(0, vocab, (batch, 1), dtype=np.int32)
+    inp.slots[:] = np.arange(batch, dtype=np.int32)
+    inp.positions[:] = context
+    inp.valid[:] = True
+    inp.page_table[:] = np.arange(batch * pages_per_slot, dtype=np.int32).reshape(batch, pages_per_slot)
+    inp.prompt_len[:] = context + 1
     return vars(inp)
 
 
@@ -93,10 +91,10 @@ def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: di
     cache = KVCache.zeros(cfg, batch * pages, page_size, kv_dtype, padding_page=True)  # as the engine's
     if isinstance(weights, tuple):  # decode_megakernel: the pages stacked, as the engine holds them then
         cache = (stack_pages(cache.k), stack_pages(cache.v))
-    state = DeviceState(cache, jnp.zeros(batch, jnp.int32))
+    state = DeviceState.zeros(cache, batch, cfg.vocab_size)
     inp = pack_step_input(StepInput(**decode_inputs(batch, context, pages, cfg.vocab_size)))
     step = compile_step(cfg, weights, state, inp, options, page_size, pages)
-    packed, _, state = step(weights, state, inp)
+    packed, _, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp
 
@@ -105,7 +103,7 @@ def run_steps(step, weights, state, inp, steps: int):
     """(seconds per step, state) of `steps` steps dispatched back to back, as the engine does."""
     t0 = time.perf_counter()
     for _ in range(steps):
-        packed, _, state = step(weights, state, inp)
+        packed, _, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return (time.perf_counter() - t0) / steps, state
 
@@ -243,7 +241,7 @@ def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -
     logits = {}
     for name in names:
         step, state, inp = steps[name]
-        _, logits[name], state = step(variants[name], state, inp)
+        _, logits[name], _, state = step(variants[name], state, inp)
         steps[name] = (step, state, inp)
     rows = []
     for name in names[1:]:

@@ -8,6 +8,7 @@ import time
 import urllib.request
 
 import openai
+import numpy as np
 import pytest
 
 from jaxserve.client import Client
@@ -108,6 +109,40 @@ def test_logprobs_and_stop_strings(oai):
     assert "," not in stopped.choices[0].text
 
 
+def test_sampling_fields_echo_and_prompt_logprobs(oai, smollm):
+    """vLLM's sampling fields reach the engine under OpenAI's names; echo with logprobs returns the prompt's own
+    log-probabilities (what lm-evaluation-harness scores), also with max_tokens 0."""
+    base = oai.completions.create(model=MODEL, prompt=PARIS, max_tokens=6, temperature=0).choices[0].text
+    bias = {str(smollm.tokenizer.encode(" London")[0]): 100}
+    biased = oai.completions.create(model=MODEL, prompt=PARIS, max_tokens=3, temperature=0, logit_bias=bias)
+    assert biased.choices[0].text == " London" * 3
+    penalised = oai.completions.create(model=MODEL, prompt=PARIS, max_tokens=6, temperature=0, presence_penalty=2,
+                                       frequency_penalty=1, extra_body={"repetition_penalty": 1.5, "min_p": 0.1,
+                                                                        "min_tokens": 6})
+    assert penalised.usage.completion_tokens == 6 and penalised.choices[0].text != base
+    ids = smollm.tokenizer.encode(PARIS)
+    echoed = oai.completions.create(model=MODEL, prompt=PARIS, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    choice = echoed.choices[0]
+    assert choice.text == PARIS and echoed.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    from tests.helpers import logits_of
+
+    ref = logits_of(smollm, ids).astype(np.float64)
+    ref = ref - ref.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    np.testing.assert_allclose(lp.token_logprobs[1:], [ref[p - 1, ids[p]] for p in range(1, len(ids))], atol=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    more = oai.completions.create(model=MODEL, prompt=PARIS, max_tokens=2, echo=True, logprobs=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    assert more.choices[0].text.startswith(PARIS) and len(more.choices[0].logprobs.tokens) == len(ids) + 2
+    prompt_lp = more.choices[0].model_extra["prompt_logprobs"]
+    assert prompt_lp[0] is None and str(ids[1]) in prompt_lp[1]
+    streamed = list(oai.completions.create(model=MODEL, prompt=PARIS, max_tokens=2, echo=True, temperature=0,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == more.choices[0].text
+
+
 def test_models_health_tokenize_detokenize_and_metrics(server, oai, smollm):
     assert [m.id for m in oai.models.list().data] == [MODEL]
     assert http(server, "GET", "/health")[0] == 200
@@ -120,7 +155,11 @@ def test_models_health_tokenize_detokenize_and_metrics(server, oai, smollm):
 
 @pytest.mark.parametrize(("body", "status", "message"), [
     ({"model": "gpt-4", "prompt": PARIS}, 404, "model='gpt-4' is not served here"),
-    ({"prompt": PARIS, "presence_penalty": 0.5}, 400, "presence_penalty=0.5 is not supported by jaxserve yet"),
+    ({"prompt": PARIS, "response_format": {"type": "json_object"}}, 400,
+     "response_format={'type': 'json_object'} is not supported by jaxserve yet"),
+    ({"prompt": PARIS, "presence_penalty": 2.5}, 400, "presence_penalty=2.5 must be a number in [-2.0, 2.0]"),
+    ({"prompt": PARIS, "logit_bias": {"99999999": 1}}, 400, "logit_bias token id 99999999 is outside the vocabulary"),
+    ({"prompt": PARIS, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens=9 must be between 0 and max_tokens=4"),
     ({"prompt": PARIS, "temperature": -1}, 400, "temperature=-1.0 must be a finite number >= 0"),
     ({"prompt": PARIS, "max_tokens": 65}, 400, "max_tokens=65 must be between 1 and 64"),
     ({"prompt": PARIS, "n": 17}, 400, "n=17 must be between 1 and 16"),

@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxserve.config import SamplingParams
+from jaxserve.engine.batch import MAX_LOGIT_BIAS
 from jaxserve.errors import InputError
 
 DEFAULT_MAX_TOKENS = 64
 MAX_REQUEST_ID_BYTES = 256
 MAX_STOP_BYTES = 1024  # one stop string
 MAX_SEED = 2**32 - 1  # seeds key the sampler as uint32
+MAX_N = 16  # samples of one prompt
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, OpenAI's range
+MAX_BIAS = 100.0  # |logit_bias| values, OpenAI's range
 # Roles a chat may use; a template may know more, which it names as string literals (`Limits.roles`).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -110,6 +114,8 @@ def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[st
 
 def sampling(limits: Limits, *, max_tokens: Any = None, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
              seed: Any = 0, stop: Any = (), stop_token_ids: Any = (), ignore_eos: Any = False, logprobs: Any = 0,
+             presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0, min_p: Any = 0.0,
+             logit_bias: Any = None, min_tokens: Any = 0, n: Any = 1, prompt_logprobs: Any = None,
              names: dict[str, str] | None = None) -> SamplingParams:
     """SamplingParams from a request's values, each checked; `names` maps a parameter to the surface's field name
     (default: the parameter's own)."""
@@ -147,9 +153,51 @@ def sampling(limits: Limits, *, max_tokens: Any = None, temperature: Any = 0.0, 
         raise InvalidArgument(f"{name('ignore_eos')}={_show(ignore_eos)} must be true or false")
     if not _is_int(logprobs) or not 0 <= logprobs <= limits.max_logprobs:
         raise InvalidArgument(f"{name('logprobs')}={_show(logprobs)} must be between 0 and {limits.max_logprobs}")
+    for key, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidArgument(f"{name(key)}={_show(value)} must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}] "
+                                  "(0 disables it)")
+    if not _is_number(repetition_penalty) or not 0 < repetition_penalty < math.inf:
+        raise InvalidArgument(f"{name('repetition_penalty')}={_show(repetition_penalty)} must be a finite number > 0 "
+                              "(1 disables it)")
+    if not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
+        raise InvalidArgument(f"{name('min_p')}={_show(min_p)} must be in [0, 1] (0 disables it)")
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise InvalidArgument(f"{name('min_tokens')}={_show(min_tokens)} must be between 0 and "
+                              f"{name('max_tokens')}={max_tokens}")
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise InvalidArgument(f"{name('n')}={_show(n)} must be between 1 and {MAX_N}")
+    if prompt_logprobs is not None and (not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= limits.max_logprobs):
+        raise InvalidArgument(f"{name('prompt_logprobs')}={_show(prompt_logprobs)} must be between 0 and "
+                              f"{limits.max_logprobs} (or absent)")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                           seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
-                          logprobs=logprobs)
+                          logprobs=logprobs, presence_penalty=float(presence_penalty),
+                          frequency_penalty=float(frequency_penalty), repetition_penalty=float(repetition_penalty),
+                          min_p=float(min_p), logit_bias=_logit_bias(logit_bias, limits, name("logit_bias")),
+                          min_tokens=min_tokens, n=n, prompt_logprobs=prompt_logprobs)
+
+
+def _logit_bias(value: Any, limits: Limits, name: str) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or, as JSON keys, decimal strings), or (id, bias) pairs -> sorted pairs."""
+    if value is None:
+        return ()
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, Sequence) or isinstance(items, str) or len(items) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"{name}={_show(value)} must map at most {MAX_LOGIT_BIAS} token ids to biases")
+    out = {}
+    for item in items:
+        if not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 2:
+            raise InvalidArgument(f"{name} entry {_show(item)} must be a (token id, bias) pair")
+        token, bias = item
+        if isinstance(token, str) and token.strip().isdigit():
+            token = int(token)
+        if not _is_int(token) or not 0 <= token < limits.vocab_size:
+            raise InvalidArgument(f"{name} token id {_show(token)} is outside the vocabulary [0, {limits.vocab_size})")
+        if not _is_number(bias) or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise InvalidArgument(f"{name}[{token}]={_show(bias)} must be a number in [-{MAX_BIAS}, {MAX_BIAS}]")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def fits(num_prompt: int, params: SamplingParams, limits: Limits, max_tokens_name: str = "max_tokens") -> None:

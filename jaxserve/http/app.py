@@ -35,7 +35,9 @@ from jaxserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-MAX_N = 16  # choices a request may ask for
+# A token's logprobs entry: (id, its log-probability, the top alternatives); an echoed prompt's first token has
+# neither.
+Entry = tuple[int, float | None, list[tuple[int, float]] | None]
 _ENDED_STATUS = {"drained": 503, "behind": 429, "deadline": 408, "error": 500}
 
 
@@ -171,8 +173,6 @@ def _check_common(body: Any, name: str) -> None:
     if unsupported:
         raise HTTPError(400, f"{unsupported[0]}={getattr(body, unsupported[0])!r} is not supported by jaxserve yet; "
                              "leave it out", param=unsupported[0])
-    if not 1 <= body.n <= MAX_N:
-        raise HTTPError(400, f"n={body.n} must be between 1 and {MAX_N}", param="n")
 
 
 async def _guard(work: Any) -> Any:
@@ -198,32 +198,42 @@ async def _completion_prompts(front: Frontend, prompt: Any) -> list[list[int]]:
     return out
 
 
-def _children(body: Any, prompts: list[list[int]], limits: Limits, chat: bool, logprobs: int) -> list[tuple[int, list[int], Any]]:
-    """(choice index, prompt ids, SamplingParams) of every choice: n of them a prompt, each its own seed."""
+def _children(body: Any, prompts: list[list[int]], limits: Limits, chat: bool, logprobs: int,
+              prompt_only: bool) -> list[tuple[int, list[int], Any]]:
+    """(choice index, prompt ids, SamplingParams) of every choice: n of them a prompt, sample i seeded seed + i
+    (a random seed when none is given). `prompt_only` (echo with max_tokens 0) still runs one token: the prefill
+    computes the prompt's log-probabilities."""
+    echo = getattr(body, "echo", False)
+    prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (logprobs if echo and logprobs
+                                                                                     else None)
     children = []
     for p, ids in enumerate(prompts):
         # OpenAI's defaults: 16 tokens for a completion, what the context leaves for a chat
         room = min(limits.room - len(ids), limits.max_tokens_limit)
         max_tokens = body.max_tokens if body.max_tokens is not None else (max(1, room) if chat else 16)
-        for c in range(body.n):
-            seed = (body.seed + c) % 2**32 if body.seed is not None else secrets.randbits(32)
-            try:
-                params = validation.sampling(
-                    limits, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                    top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
-                    stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-                    logprobs=logprobs,
-                    names={"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"})
-                validation.fits(len(ids), params, limits)
-            except InputError as e:
-                raise HTTPError(400, str(e)) from None
-            children.append((p * body.n + c, ids, params))
+        try:
+            params = validation.sampling(
+                limits, max_tokens=1 if prompt_only else max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k or 0,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                seed=body.seed if body.seed is not None else secrets.randbits(32), stop=body.stop or [],
+                stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty, min_p=body.min_p, logit_bias=body.logit_bias,
+                min_tokens=body.min_tokens, n=body.n, prompt_logprobs=prompt_logprobs,
+                names={"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"})
+            validation.fits(len(ids), params, limits)
+        except InputError as e:
+            raise HTTPError(400, str(e)) from None
+        children += [(p * body.n + c, ids, child) for c, child in enumerate(params.children())]
     return children
 
 
 async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[int]], limits: Limits, name: str, *,
                chat: bool, logprobs: int, top: int = 0) -> Response | dict[str, Any]:
-    children = _children(body, prompts, limits, chat, logprobs)
+    echo = getattr(body, "echo", False)
+    prompt_only = echo and body.max_tokens == 0
+    children = _children(body, prompts, limits, chat, logprobs, prompt_only)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     events: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
@@ -267,7 +277,9 @@ async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[
             for t in tasks:
                 t.cancel()
 
-    fmt = _Formatter(tok, chat, top, logprobs, rid, created, name, len(children), body.n)
+    fmt = _Formatter(tok, chat, top, logprobs, rid, created, name, len(children), body.n,
+                     [ids for _, ids, _ in children], echo=echo, prompt_only=prompt_only,
+                     prompt_logprobs=children[0][2].prompt_logprobs if body.prompt_logprobs is not None else None)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(updates(), fmt, usage), media_type="text/event-stream")
@@ -307,11 +319,19 @@ class _Formatter:
     """Builds OpenAI's response bodies (whole, or one streamed chunk at a time) from the children's updates."""
 
     def __init__(self, tok: Any, chat: bool, top: int, logprobs: int, rid: str, created: int, model: str, n: int,
-                 n_per_prompt: int):
+                 n_per_prompt: int, prompt_ids: list[list[int]], *, echo: bool = False, prompt_only: bool = False,
+                 prompt_logprobs: int | None = None):
         self.tok, self.chat, self.top, self.logprobs, self.n_per_prompt = tok, chat, top, logprobs, n_per_prompt
         self.rid, self.created, self.model = rid, created, model
+        # echo: each choice's prompt ids, put before its text (and, with logprobs, its entries: the prompt's own
+        # log-probabilities, none for the first token); prompt_only: echo with max_tokens 0, whose one generated
+        # token is dropped; prompt_logprobs: vLLM's field, each choice's `prompt_logprobs`
+        self.prompt_ids, self.echo, self.prompt_only, self.prompt_logprobs_k = prompt_ids, echo, prompt_only, \
+            prompt_logprobs
+        self.prompt_entries: list[list | None] = [None] * n
+        self.echoed = [False] * n
         self.text = [""] * n
-        self.lps: list[list[tuple[int, float, list[tuple[int, float]]]]] = [[] for _ in range(n)]
+        self.lps: list[list[Entry]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.prompt_tokens = [0] * n
         self.cached_tokens = [0] * n
@@ -319,24 +339,58 @@ class _Formatter:
         self.sent_role = [False] * n
 
     def add(self, index: int, request: Any, update: Any) -> None:
-        self.text[index] += update.text
-        self.lps[index] += [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
+        if update.prompt_logprobs is not None:
+            self.prompt_entries[index] = update.prompt_logprobs
         self.prompt_tokens[index] = len(request.prompt_ids)
         self.cached_tokens[index] = request.cached_tokens
-        self.completion_tokens[index] = len(request.output_ids)
         if update.finish_reason is not None:
             self.finish[index] = update.finish_reason
+        if self.prompt_only:
+            return
+        self.text[index] += update.text
+        self.lps[index] += self._entries(update)
+        self.completion_tokens[index] = len(request.output_ids)
+
+    @staticmethod
+    def _entries(update: Any) -> list[Entry]:
+        return [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
+
+    def _echo(self, index: int) -> tuple[str, list[Entry]]:
+        """The prompt's text and logprobs entries that echo puts first in choice `index`."""
+        ids = self.prompt_ids[index]
+        entries = self.prompt_entries[index] or [None] * len(ids)
+        return (self._decode(ids), [(t, e[0] if e else None, e[1] if e else None) for t, e in zip(ids, entries)])
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=False)) if self.tok is not None else ""
+
+    def _prompt_logprobs(self, index: int) -> Any:
+        """vLLM's `prompt_logprobs` of a choice: None for the first token, then {id: {logprob, decoded_token}} of the
+        prompt token and the top alternatives."""
+        entries = self.prompt_entries[index]
+        if entries is None:
+            return None
+        ids = self.prompt_ids[index]
+        out: list[Any] = []
+        for p, entry in enumerate(entries):
+            if entry is None:
+                out.append(None)
+                continue
+            logprob, tops = entry
+            pairs = [(ids[p], logprob), *tops]
+            out.append({str(t): {"logprob": lp, "decoded_token": self._token(t)} for t, lp in pairs})
+        return out
 
     def _token(self, token: int) -> str:
         return str(self.tok.decode([token], skip_special_tokens=False)) if self.tok is not None else str(token)
 
-    def _logprobs(self, entries: list[tuple[int, float, list[tuple[int, float]]]], offset: int = 0) -> Any:
+    def _logprobs(self, entries: list[Entry], offset: int = 0) -> Any:
         if not self.logprobs:
             return None
         if self.chat:
             return {"content": [{"token": self._token(t), "logprob": lp, "bytes": list(self._token(t).encode()),
                                  "top_logprobs": [{"token": self._token(i), "logprob": v,
-                                                   "bytes": list(self._token(i).encode())} for i, v in tops[:self.top]]}
+                                                   "bytes": list(self._token(i).encode())} for i, v in (tops or [])[:self.top]]}
                                 for t, lp, tops in entries]}
         tokens = [self._token(t) for t, _, _ in entries]
         offsets = []
@@ -344,7 +398,8 @@ class _Formatter:
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{self._token(i): v for i, v in tops} for _, _, tops in entries], "text_offset": offsets}
+                "top_logprobs": [None if tops is None else {self._token(i): v for i, v in tops[:self.logprobs]}
+                                 for _, _, tops in entries], "text_offset": offsets}
 
     def usage(self) -> dict[str, Any]:
         # each prompt counted once (its n choices share it), every choice's output
@@ -362,13 +417,19 @@ class _Formatter:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "logprobs": self._logprobs(self.lps[i]), "finish_reason": finish})
             else:
-                choices.append({"index": i, "text": text, "logprobs": self._logprobs(self.lps[i]),
-                                "finish_reason": finish})
+                entries = self.lps[i]
+                if self.echo:
+                    echoed, prompt_entries = self._echo(i)
+                    text, entries = echoed + text, prompt_entries + entries
+                choices.append({"index": i, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish})
+            if self.prompt_logprobs_k is not None:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i)
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
 
     def chunk(self, index: int, update: Any) -> dict[str, Any]:
-        entries = [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
+        entries = [] if self.prompt_only else self._entries(update)
+        text = "" if self.prompt_only else update.text
         if self.chat:
             delta: dict[str, Any] = {"content": update.text}
             if not self.sent_role[index]:
@@ -377,8 +438,14 @@ class _Formatter:
             choice = {"index": index, "delta": delta, "logprobs": self._logprobs(entries),
                       "finish_reason": update.finish_reason}
         else:
-            choice = {"index": index, "text": update.text, "logprobs": self._logprobs(entries),
+            if self.echo and not self.echoed[index]:  # the prompt comes first, in the choice's first chunk
+                self.echoed[index] = True
+                echoed, prompt_entries = self._echo(index)
+                text, entries = echoed + text, prompt_entries + entries
+            choice = {"index": index, "text": text, "logprobs": self._logprobs(entries),
                       "finish_reason": update.finish_reason}
+        if self.prompt_logprobs_k is not None and update.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(index)
         return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
 

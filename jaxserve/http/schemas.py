@@ -12,10 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # Known to OpenAI's API but not implemented here: accepted only at the value that turns them off.
-OFF_VALUES: dict[str, Any] = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "best_of": None,
-                              "echo": False, "suffix": None, "tools": None, "tool_choice": None,
-                              "response_format": None, "parallel_tool_calls": None, "repetition_penalty": None,
-                              "min_p": None, "min_tokens": None}
+OFF_VALUES: dict[str, Any] = {"best_of": None, "suffix": None, "tools": None, "tool_choice": None,
+                              "response_format": None, "parallel_tool_calls": None}
 
 
 class StreamOptions(BaseModel):
@@ -39,14 +37,15 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # not implemented: see OFF_VALUES
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float = 1.0  # vLLM's
+    min_p: float = 0.0  # vLLM's
+    min_tokens: int = 0  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's: each choice then carries `prompt_logprobs`
+    # not implemented: see OFF_VALUES
     best_of: int | None = None
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
