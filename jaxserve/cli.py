@@ -137,6 +137,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     weights = jax.tree_util.tree_leaves(model.weights, is_leaf=is_quantized)
     info = {
         "source": model.source,
+        "architecture": model.config.architecture,
+        "switches": model.config.switches,  # the ModelConfig switches this model turns on (jaxserve.model.transformer)
         "config": model.config.to_dict(),
         "dtype": str(model.weights.final_norm.dtype),
         "quantization": dataclasses.asdict(model.quantization) if model.quantization else None,

@@ -10,31 +10,44 @@ from typing import Any, Literal, TypeVar
 
 from jaxserve.errors import JaxserveError
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe")
+ACTIVATIONS = ("silu", "gelu_tanh")
+ROPE_SCALINGS = ("linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Rotary-frequency scaling: `linear` divides every frequency, `llama3` only the low ones."""
+    """Rotary-frequency scaling: `linear` divides every frequency, `llama3` only the low ones, `longrope` (Phi-3)
+    divides each frequency by its own factor, `short_factor` at positions below original_max_position_embeddings
+    and `long_factor` from there on, and multiplies cos and sin by `attention_factor`."""
 
-    kind: Literal["linear", "llama3"]
-    factor: float
+    kind: Literal["linear", "llama3", "longrope"]
+    factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3"):
-            raise JaxserveError(f"unsupported rope scaling type {self.kind!r}; expected 'linear' or 'llama3'")
+        if self.kind not in ROPE_SCALINGS:
+            raise JaxserveError(f"unsupported rope scaling type {self.kind!r}; expected one of {ROPE_SCALINGS}")
         if self.factor <= 0:
             raise JaxserveError(f"rope scaling factor must be positive, got {self.factor}")
+        for name in ("short_factor", "long_factor"):  # a JSON list, hashable once a tuple (the config is a jit key)
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.kind == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise JaxserveError(f"longrope scaling needs short_factor and long_factor of one length (head_dim / 2), "
+                                f"got {len(self.short_factor)} and {len(self.long_factor)}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+    """Shape and numerics of the decoder. One model for every family: the families differ by the switches below,
+    each off (Llama's behaviour) by default; `jaxserve info --json` lists those a model turns on (`switches`)."""
 
-    architecture: str = "llama"
+    architecture: str = "llama"  # the family it was loaded as (ARCHITECTURES); the model reads only the switches
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,7 +60,28 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k, v biases (Qwen2)
+    # -- switches --
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    # Local attention: a query sees the last `sliding_window` positions, its own included (Mistral, Qwen2, Phi-3,
+    # Gemma). `local_layers` names the layers that do; None means every layer when sliding_window is set.
+    sliding_window: int | None = None
+    local_layers: tuple[int, ...] | None = None
+    local_rope_theta: float | None = None  # the RoPE base of local layers, which also take no rope_scaling (Gemma 3)
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU: Gemma)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size) (Gemma)
+    sandwich_norm: bool = False  # an RMSNorm on the attention's and the MLP's outputs before each residual add (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's (Gemma)
+    attn_softcap: float | None = None  # attention scores become cap * tanh(score / cap) (Gemma 2)
+    final_softcap: float | None = None  # and the logits likewise (Gemma 2)
+    # Mixture of experts in every layer's MLP when num_experts > 0 (Mixtral, Qwen3-MoE): each token's
+    # experts_per_token most probable experts (softmax over all experts' router logits), weighted by their
+    # probabilities, renormalised to sum to 1 with norm_topk_prob (Mixtral always; Qwen3-MoE by its config).
+    # Each expert is a gated MLP of moe_intermediate_size; intermediate_size is then unused.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -64,6 +98,46 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise JaxserveError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.activation not in ACTIVATIONS:
+            raise JaxserveError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise JaxserveError(f"sliding_window must be at least 1 (or null: global attention), got {self.sliding_window}")
+        if self.local_layers is not None:
+            object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
+            bad = [i for i in self.local_layers if not 0 <= i < self.num_layers]
+            if bad or self.sliding_window is None:
+                raise JaxserveError(f"local_layers={self.local_layers} must be layer indices below num_layers="
+                                    f"{self.num_layers}, with a sliding_window (got {self.sliding_window})")
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise JaxserveError(f"{name} must be positive (or null: off), got {getattr(self, name)}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.moe_intermediate_size > 0):
+            raise JaxserveError(f"a mixture of {self.num_experts} experts needs experts_per_token in [1, "
+                                f"{self.num_experts}] (got {self.experts_per_token}) and moe_intermediate_size >= 1 "
+                                f"(got {self.moe_intermediate_size})")
+        if self.num_experts < 0:
+            raise JaxserveError(f"num_experts must be >= 0 (0: a dense MLP), got {self.num_experts}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.kind == "longrope" and len(scaling.short_factor) != self.head_dim // 2:
+            raise JaxserveError(f"longrope factors have {len(scaling.short_factor)} entries; head_dim={self.head_dim} "
+                                f"needs {self.head_dim // 2}")
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return self.sliding_window is not None and (self.local_layers is None or layer in self.local_layers)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`; None when it attends to every earlier position."""
+        return self.sliding_window if self.is_local(layer) else None
+
+    @property
+    def switches(self) -> dict[str, Any]:
+        """The switches this model turns on (those that differ from Llama's), by name; rope_scaling by its kind."""
+        fields = dataclasses.fields(self)
+        on = {f.name: getattr(self, f.name) for f in fields[fields.index(next(f for f in fields if f.name == "qk_norm")):]
+              if getattr(self, f.name) != f.default and (self.num_experts or f.name != "norm_topk_prob")}
+        extra = {"attention_bias": self.attention_bias, "rope_scaling": self.rope_scaling and self.rope_scaling.kind}
+        return {**{k: v for k, v in extra.items() if v}, **on}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -74,61 +148,6 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Builds the config from a Hugging Face `config.json` of Llama, Mistral or Qwen2."""
-        model_type = hf.get("model_type", "")
-        if model_type not in ARCHITECTURES:
-            raise JaxserveError(
-                f"unknown architecture model_type={model_type!r} in config.json; "
-                f"jaxserve supports {', '.join(ARCHITECTURES)}"
-            )
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
-        return cls(
-            architecture=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=_hf_rope_theta(hf),
-            rope_scaling=_hf_rope_scaling(hf),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        )
-
-
-def _hf_rope_theta(hf: dict[str, Any]) -> float:
-    if "rope_theta" in hf:
-        return float(hf["rope_theta"])
-    params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
-
-
-def _hf_rope_scaling(hf: dict[str, Any]) -> RopeScaling | None:
-    rs = hf.get("rope_scaling") or hf.get("rope_parameters")
-    if not rs:
-        return None
-    kind = rs.get("rope_type") or rs.get("type")
-    if kind in (None, "default"):
-        return None
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(rs["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            kind="llama3",
-            factor=float(rs["factor"]),
-            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
-        )
-    raise JaxserveError(f"unsupported rope scaling type {kind!r} in config.json; expected linear or llama3")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +213,6 @@ class SamplingParams:
             raise JaxserveError(f"n must be at least 1, got {self.n}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise JaxserveError(f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}")
-
 
 
 T = TypeVar("T")

@@ -12,20 +12,19 @@ TINY = {"vocab_size": 260, "hidden_size": 64, "intermediate_size": 96, "num_hidd
             "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5}
 
 
-def hf_tiny(model_type: str, **overrides):
-    """A random transformers model of `model_type` (llama, mistral, qwen2) in float32."""
+def hf_tiny(model_type: str, *, router_scale: float = 0.5, **overrides):
+    """A random transformers model of `model_type` (any causal LM transformers knows) in float32."""
     import transformers
 
-    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
-    config_cls, model_cls = classes[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(0)
-    model = model_cls(config_cls(**{**TINY, **overrides})).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # random norms and biases, so a loader that drops them fails
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # routing far from ties
+                p.copy_(torch.randn_like(p) * router_scale)
     return model
 
 
@@ -93,3 +92,11 @@ def write_gguf(path: str, model=None, *, arch: str = "llama", qtype: str = "F32"
     writer.write_tensors_to_file()
     writer.close()
     assert os.path.getsize(path) > 0
+
+
+def save_tiny(model, directory) -> None:
+    """`model` (hf_tiny's) saved as transformers saves it, beside a word-level tokenizer over its vocabulary."""
+    from jaxserve.checkpoint.random_model import synthetic_tokenizer
+
+    model.save_pretrained(directory, safe_serialization=True)
+    synthetic_tokenizer(model.config.vocab_size).backend.save(os.path.join(directory, "tokenizer.json"))

@@ -9,6 +9,8 @@ kernels where they exist for the platform (GPU, TPU) and XLA elsewhere.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,27 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 
 FLASH_BLOCK_Q = 128  # the flash kernels tile queries by 128 positions; shorter chunks are padded
 
-# (q, k, v, k_pages, v_pages, write_at, page_table, positions, valid) -> (out, k_pages, v_pages); see `update_and_attend`.
+# (q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, *, spec) -> (out, k_pages, v_pages); see
+# `update_and_attend`.
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer's scores become attention weights, beyond causal softmax(q·k / sqrt(head_dim)) (the model's
+    switches, ModelConfig): the scale, a soft-cap (softcap * tanh(score / softcap)) and a sliding window (a query
+    sees the last `window` positions, its own included). Every backend takes them (pallas_kernels)."""
+
+    sm_scale: float | None = None  # None: head_dim ** -0.5
+    softcap: float | None = None
+    window: int | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The kernels' keyword arguments."""
+        return {"sm_scale": self.sm_scale, "softcap": self.softcap, "window": self.window}
+
+
+PLAIN = AttentionSpec()  # Llama's scores
 
 
 def to_pages(x: jax.Array, dtype) -> jax.Array:
@@ -52,30 +73,32 @@ def write_pages(k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
 
 def update_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, positions: jax.Array,
-                      valid: jax.Array, *, backend: str = "auto",
-                      in_bounds: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                      valid: jax.Array, *, backend: str = "auto", in_bounds: bool = False,
+                      spec: AttentionSpec = PLAIN) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes k, v at write_at = (pages, offsets) [b, t], then attends q [b, t, heads, hd] over the pages
     -> (out [b, t, heads, hd], k_pages, v_pages).
 
     One layer's whole use of its cache; a sharded model swaps in another function of the same
-    signature (jaxserve.parallel.attention). `in_bounds`: see write_pages."""
+    signature (jaxserve.parallel.attention). `in_bounds`: see write_pages; `spec`: the layer's scores."""
     k_pages, v_pages = write_pages(k, v, k_pages, v_pages, *write_at, in_bounds=in_bounds)
-    return attend(q, k_pages, v_pages, page_table, positions, valid, backend=backend), k_pages, v_pages
+    return attend(q, k_pages, v_pages, page_table, positions, valid, backend=backend, spec=spec), k_pages, v_pages
 
 
 def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, positions: jax.Array,
-           valid: jax.Array, *, backend: str = "auto") -> jax.Array:
+           valid: jax.Array, *, backend: str = "auto", spec: AttentionSpec = PLAIN) -> jax.Array:
     """q [b, t, heads, hd] at `positions` [b, t] (the valid tokens of a row are consecutive from its first
     position, and their K/V is already in the pages) -> [b, t, heads, hd]."""
     if backend_lib.resolve(backend) == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
+        return paged_attention_reference(q, k_pages, v_pages, page_table, positions, **spec.options())
     b, t = positions.shape
     start = positions[:, 0]
     if t == 1:  # decode: one query per slot
         lengths = jnp.where(valid[:, 0], start + 1, 0)
-        return paged_attention(q[:, 0], k_pages, v_pages, page_table, lengths, backend=backend)[:, None]
+        return paged_attention(q[:, 0], k_pages, v_pages, page_table, lengths, backend=backend,
+                               **spec.options())[:, None]
     padded = -(-t // FLASH_BLOCK_Q) * FLASH_BLOCK_Q
     qp = jnp.pad(q, ((0, 0), (0, padded - t), (0, 0), (0, 0)))
     kv_lengths = start + jnp.sum(valid, axis=1, dtype=jnp.int32)
-    out = paged_flash_attention(qp, k_pages, v_pages, page_table, start, kv_lengths, causal=True, backend=backend)
+    out = paged_flash_attention(qp, k_pages, v_pages, page_table, start, kv_lengths, causal=True, backend=backend,
+                                **spec.options())
     return out[:, :t]

@@ -133,7 +133,8 @@ def is_quantized(x: Any) -> bool:
     return isinstance(x, QuantizedArray)
 
 
-_LINEAR = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}  # name -> input axes
+# name -> input axes. A mixture's experts (Layer.experts) stay float: their grouped products take no int8 weights.
+_LINEAR = {"wqkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
 
 
 def quantize_weights(weights: Any, qcfg: QuantConfig, dtype: Any = None) -> Any:
@@ -150,11 +151,12 @@ def quantize_weights(weights: Any, qcfg: QuantConfig, dtype: Any = None) -> Any:
         return jax.block_until_ready(quantize(jnp.asarray(w), in_ndim=in_ndim, group_size=group_size))
 
     def f(w: Any) -> Any:
-        return None if w is None else jnp.asarray(w, dtype)
+        return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), w)
 
     def layer(lw: Layer) -> Layer:
-        fields = {name: (q(getattr(lw, name), _LINEAR[name], qcfg.group_size) if name in _LINEAR
-                         else f(getattr(lw, name))) for name in (fl.name for fl in dataclasses.fields(lw))}
+        fields = {name: (q(getattr(lw, name), _LINEAR[name], qcfg.group_size)
+                         if name in _LINEAR and getattr(lw, name) is not None else f(getattr(lw, name)))
+                  for name in (fl.name for fl in dataclasses.fields(lw))}
         return Layer(**fields)
 
     tied = weights.lm_head is None
@@ -189,7 +191,8 @@ def quantized_abstract(specs: Any, qcfg: QuantConfig) -> Any:
     q = quantized_spec
 
     def layer(ls: Layer) -> Layer:
-        return dataclasses.replace(ls, **{name: q(getattr(ls, name), n, qcfg.group_size) for name, n in _LINEAR.items()})
+        return dataclasses.replace(ls, **{name: q(getattr(ls, name), n, qcfg.group_size) for name, n in _LINEAR.items()
+                                          if getattr(ls, name) is not None})
 
     tied = specs.lm_head is None
     embed = q(specs.embed, 1, 0) if (qcfg.embed or (tied and qcfg.head)) else specs.embed
@@ -201,7 +204,8 @@ def linear_bytes(weights: Any) -> int:
     """Bytes of the decoder layers' linear weights (values and scales when quantized)."""
     total = 0
     for lw in weights.layers:
-        for name in _LINEAR:
-            w = getattr(lw, name)
+        linears = [getattr(lw, name) for name in _LINEAR if getattr(lw, name) is not None]
+        experts = [] if lw.experts is None else [lw.experts.gate_up, lw.experts.down]
+        for w in linears + experts:
             total += w.nbytes if isinstance(w, QuantizedArray) else int(w.size) * w.dtype.itemsize
     return total

@@ -1,6 +1,10 @@
-"""The Llama-family decoder as pure functions over the `Weights` pytree.
+"""The decoder as pure functions over the `Weights` pytree: one model for every family.
 
-Covers Llama (1/2/3, with Llama-3 rope scaling), Mistral and Qwen2 (q/k/v bias). Layers are
+Llama's block (RMSNorm, attention with RoPE, a gated MLP), with the switches of ModelConfig read where they apply:
+q/k biases and norms, sliding-window (local) layers with their own RoPE base, the attention scale and soft-cap
+(AttentionSpec), GeGLU, sandwich norms, scaled embeddings, a soft-capped head, and a mixture of experts in place of
+the MLP (jaxserve.model.moe). Llama (1/2/3), Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, Mixtral and Qwen3-MoE are
+this one model (jaxserve.checkpoint.hf_config maps each family's options). Layers are
 unrolled in Python rather than run under `lax.scan`: XLA then schedules each layer's weight
 reads independently, which is what makes small-batch decode bandwidth-bound instead of
 latency-bound (see ../shared/ANCHORS.md: scan 34 %, unrolled 82 % of the floor).
@@ -16,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.model.attention import AttentionFn, update_and_attend
+from jaxserve.model.attention import AttentionFn, AttentionSpec, update_and_attend
 from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.moe import glu, moe_mlp
 from jaxserve.model.quant import embed_lookup, linear, row_multiple
 from jaxserve.model.weights import Layer, Weights, split_qkv
 from pallas_kernels import decode_megakernel
@@ -46,13 +51,23 @@ def normed_linear(x: jax.Array, gain: jax.Array, w: Any, eps: float, *, preferre
     return (y * inv_rms).astype(y.dtype)
 
 
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, in float32, times the gain, in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype) * gain
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """Inverse rotary frequencies [head_dim // 2], with linear or Llama-3 scaling applied."""
+    """Inverse rotary frequencies [head_dim // 2], with linear or Llama-3 scaling applied; for LongRoPE [2, head_dim
+    // 2]: the short factors' row, then the long factors' (apply_rope picks one by position)."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
     if scaling.kind == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
+    if scaling.kind == "longrope":
+        return np.stack([inv_freq / np.asarray(scaling.short_factor), inv_freq / np.asarray(scaling.long_factor)]
+                        ).astype(np.float32)
     # Llama 3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
@@ -65,37 +80,68 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, blended, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
-    """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout)."""
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array,
+               scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout). LongRoPE (`scaling`
+    of that kind, inv_freq [2, head_dim // 2]) takes the long factors from original_max_position_embeddings on, as
+    transformers does for a sequence grown past it, and scales cos and sin by attention_factor."""
+    if scaling is not None and scaling.kind == "longrope":
+        long = positions[..., None] >= scaling.original_max_position_embeddings
+        inv_freq = jnp.where(long, inv_freq[1], inv_freq[0])  # [b, s, hd/2]
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [b, s, hd/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    mscale = scaling.attention_factor if scaling is not None and scaling.kind == "longrope" else 1.0
+    cos, sin = (jnp.cos(angles) * mscale).astype(x.dtype), (jnp.sin(angles) * mscale).astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
 
-@partial(jax.jit, static_argnames=("cfg", "attention"))
+def layer_rope(cfg: ModelConfig, local: bool) -> tuple[float, RopeScaling | None]:
+    """(RoPE base, scaling) of a local or a global layer: local layers of a model with local_rope_theta take that
+    base and no scaling (Gemma 3); otherwise every layer takes rope_theta and rope_scaling."""
+    if local and cfg.local_rope_theta is not None:
+        return cfg.local_rope_theta, None
+    return cfg.rope_theta, cfg.rope_scaling
+
+
+def attention_spec(cfg: ModelConfig, local: bool) -> AttentionSpec:
+    """The scores of a local or a global layer (the switches query_pre_attn_scalar, attn_softcap, sliding_window)."""
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    return AttentionSpec(sm_scale=scale, softcap=cfg.attn_softcap, window=cfg.sliding_window if local else None)
+
+
+@partial(jax.jit, static_argnames=("cfg", "attention", "local"))
 def _layer(
     w: Layer, x: jax.Array, positions: jax.Array, valid: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, inv_freq: jax.Array, *, cfg: ModelConfig,
-    attention: AttentionFn,
+    attention: AttentionFn, local: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One decoder layer. Under its own jit so that a step traces and lowers it once for all its layers (an
-    8B step's 32 copies of the attention kernel took 12 s to lower); XLA inlines the calls before it fuses,
-    so the compiled step is the same as with the layers written out."""
+    """One decoder layer (`local`: one of the sliding-window layers). Under its own jit so that a step traces and
+    lowers it once for all its layers of a kind (an 8B step's 32 copies of the attention kernel took 12 s to
+    lower); XLA inlines the calls before it fuses, so the compiled step is the same as with the layers written out."""
     rows = positions.shape[0]  # x may carry padding rows past these, for the quantized products (see forward)
+    eps = cfg.rms_norm_eps
     with jax.named_scope("attention"):
-        qkv = normed_linear(x, w.attn_norm, w.wqkv, cfg.rms_norm_eps)  # [b, t, kv_heads, q_per_kv + 2, head_dim]
+        qkv = normed_linear(x, w.attn_norm, w.wqkv, eps)  # [b, t, kv_heads, q_per_kv + 2, head_dim]
         if w.bqkv is not None:
             qkv = qkv + w.bqkv
         q, k, v = split_qkv(cfg, qkv[:rows])
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
-        x = x + linear(_pad_rows(attn, x.shape[0] - rows), w.wo, in_ndim=2)
+        if cfg.qk_norm:
+            q, k = rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps)
+        scaling = layer_rope(cfg, local)[1]
+        q, k = apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling)
+        attn, k_pages, v_pages = attention(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid,
+                                           spec=attention_spec(cfg, local))
+        out = linear(_pad_rows(attn, x.shape[0] - rows), w.wo, in_ndim=2)
+        x = x + (rms_norm(out, w.attn_out_norm, eps) if cfg.sandwich_norm else out)
     with jax.named_scope("mlp"):
-        gate_up = normed_linear(x, w.mlp_norm, w.w_gate_up, cfg.rms_norm_eps)  # [b, t, ffn, 2]
-        x = x + linear(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1], w.w_down)
+        if cfg.num_experts:
+            out = moe_mlp(rms_norm(x, w.mlp_norm, eps), w.experts, cfg)
+        else:
+            gate_up = normed_linear(x, w.mlp_norm, w.w_gate_up, eps)  # [b, t, ffn, 2]
+            out = linear(glu(gate_up, cfg.activation), w.w_down)
+        x = x + (rms_norm(out, w.mlp_out_norm, eps) if cfg.sandwich_norm else out)
     return x, k_pages, v_pages
 
 
@@ -121,12 +167,14 @@ def forward(
     """
     attention_fn = (partial(update_and_attend, backend=attention, in_bounds=cache.padding_page)
                     if isinstance(attention, str) else attention)
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    inv_freq = {local: rope_inv_freq(cfg.head_dim, *layer_rope(cfg, local)) for local in (False, True)}
     size = cache.page_size
     page_of = jnp.take_along_axis(page_table, positions // size, axis=1)
     padding = cache.num_pages - 1 if cache.padding_page else cache.num_pages  # its page, or out of bounds: dropped
     write_at = (jnp.where(valid, page_of, padding), positions % size)
     x = embed_lookup(weights.embed, tokens, weights.final_norm.dtype)
+    if cfg.embed_scale:  # the factor rounded to the activations' dtype first, as Gemma's checkpoints were trained
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
     rows = x.shape[0]
     if tokens.shape[1] == 1:  # decode: the rows are padded once for the quantized products (each pads otherwise)
         x = _pad_rows(x, -rows % row_multiple(weights))  # the padding rows skip attention: they write no K/V
@@ -135,8 +183,9 @@ def forward(
     for i, layer in enumerate(weights.layers):
         if return_hidden:
             hidden.append(x[:rows])
-        x, k_i, v_i = _layer(layer, x, positions, valid, cache.k[i], cache.v[i], write_at, page_table, inv_freq,
-                             cfg=cfg, attention=attention_fn)
+        local = cfg.is_local(i)
+        x, k_i, v_i = _layer(layer, x, positions, valid, cache.k[i], cache.v[i], write_at, page_table,
+                             inv_freq[local], cfg=cfg, attention=attention_fn, local=local)
         ks.append(k_i)
         vs.append(v_i)
     final = x[:rows]
@@ -150,7 +199,8 @@ def forward(
 def head_logits(weights: Weights, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Logits (float32) of the last layer's output x [..., embed]: the final norm, then the output head."""
     head = weights.embed if weights.lm_head is None else weights.lm_head
-    return normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
+    logits = normed_linear(x, weights.final_norm, head, cfg.rms_norm_eps, preferred_element_type=jnp.float32)
+    return logits if cfg.final_softcap is None else cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
 
 
 def decode_stacked(weights: Weights, layers: decode_megakernel.StackedLayers, cfg: ModelConfig, tokens: jax.Array,

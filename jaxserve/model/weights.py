@@ -39,6 +39,29 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A layer's mixture of experts (ModelConfig.num_experts): `router` [experts, embed], and each expert's gated MLP
+    as `gate_up` [experts, moe_ffn, 2, embed] and `down` [experts, embed, moe_ffn] (Layer's layouts, an expert axis
+    ahead). `mesh` is where the experts are spread (jaxserve.parallel.experts; None: one device): a static field, so
+    the model's one call (jaxserve.model.moe.moe_mlp) dispatches on the weights' type as a quantized product does."""
+
+    router: Any
+    gate_up: Any
+    down: Any
+    mesh: Any = None
+
+    @staticmethod
+    def abstract(cfg: ModelConfig) -> Experts:
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        return Experts(router=ArraySpec((e, d), ("experts", "embed")),
+                       gate_up=ArraySpec((e, f, 2, d), ("experts", "ffn", "gate_up", "embed")),
+                       down=ArraySpec((e, d, f), ("experts", "embed", "ffn")))
+
+
+jax.tree_util.register_dataclass(Experts, data_fields=["router", "gate_up", "down"], meta_fields=["mesh"])
+
+
 @pytree_dataclass
 @dataclass(frozen=True)
 class Layer:
@@ -53,6 +76,9 @@ class Layer:
     - `w_gate_up` [ffn, 2, embed]: gate and up rows interleaved, so sharding "ffn" keeps each
       channel's pair together.
     `wo` is [embed, q_heads, head_dim]; `bqkv` [kv_heads, q_per_kv + 2, head_dim] or None.
+    Norm gains multiply the normalised values as they are: a (1 + w) checkpoint (Gemma) is loaded as 1 + w.
+    The switches' weights are None when off: `q_norm`, `k_norm` [head_dim] (qk_norm); `attn_out_norm`,
+    `mlp_out_norm` [embed] (sandwich_norm); with experts (num_experts) `experts` replaces w_gate_up and w_down.
     """
 
     attn_norm: Any
@@ -62,30 +88,42 @@ class Layer:
     mlp_norm: Any
     w_gate_up: Any
     w_down: Any  # [embed, ffn]
+    q_norm: Any = None
+    k_norm: Any = None
+    attn_out_norm: Any = None
+    mlp_out_norm: Any = None
+    experts: Any = None
 
     @staticmethod
     def abstract(cfg: ModelConfig) -> Layer:
         d, kv, hd, f = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
         group = cfg.num_heads // kv + 2
+        dense = not cfg.num_experts
+        head_norm = ArraySpec((hd,), ("head_dim",), "ones") if cfg.qk_norm else None
+        out_norm = ArraySpec((d,), ("embed",), "ones") if cfg.sandwich_norm else None
         return Layer(
             attn_norm=ArraySpec((d,), ("embed",), "ones"),
             wqkv=ArraySpec((kv, group, hd, d), ("kv_heads", "qkv", "head_dim", "embed")),
             wo=ArraySpec((d, cfg.num_heads, hd), ("embed", "q_heads", "head_dim")),
             bqkv=ArraySpec((kv, group, hd), ("kv_heads", "qkv", "head_dim")) if cfg.attention_bias else None,
             mlp_norm=ArraySpec((d,), ("embed",), "ones"),
-            w_gate_up=ArraySpec((f, 2, d), ("ffn", "gate_up", "embed")),
-            w_down=ArraySpec((d, f), ("embed", "ffn")),
+            w_gate_up=ArraySpec((f, 2, d), ("ffn", "gate_up", "embed")) if dense else None,
+            w_down=ArraySpec((d, f), ("embed", "ffn")) if dense else None,
+            q_norm=head_norm, k_norm=head_norm, attn_out_norm=out_norm, mlp_out_norm=out_norm,
+            experts=None if dense else Experts.abstract(cfg),
         )
 
     @staticmethod
     def from_projections(cfg: ModelConfig, *, attn_norm: Any, wq: Any, wk: Any, wv: Any, wo: Any, mlp_norm: Any,
-                         w_gate: Any, w_up: Any, w_down: Any, bq: Any = None, bk: Any = None,
-                         bv: Any = None) -> Layer:
+                         w_gate: Any = None, w_up: Any = None, w_down: Any = None, bq: Any = None, bk: Any = None,
+                         bv: Any = None, experts: Experts | None = None, **norms: Any) -> Layer:
         """A block from separate projections as checkpoints hold them (numpy): wq [q_heads, head_dim, embed],
-        wk and wv [kv_heads, head_dim, embed], w_gate and w_up [ffn, embed], biases without the embed axis."""
+        wk and wv [kv_heads, head_dim, embed], w_gate and w_up [ffn, embed], biases without the embed axis;
+        `norms` the switches' gains by their Layer names."""
         return Layer(attn_norm=attn_norm, wqkv=fuse_qkv(cfg, wq, wk, wv), wo=wo,
                      bqkv=None if bq is None else fuse_qkv(cfg, bq, bk, bv), mlp_norm=mlp_norm,
-                     w_gate_up=np.stack([w_gate, w_up], axis=1), w_down=w_down)
+                     w_gate_up=None if w_gate is None else np.stack([w_gate, w_up], axis=1), w_down=w_down,
+                     experts=experts, **norms)
 
 
 def fuse_qkv(cfg: ModelConfig, q: Any, k: Any, v: Any) -> np.ndarray:

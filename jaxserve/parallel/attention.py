@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.model.attention import update_and_attend, write_pages
+from jaxserve.model.attention import PLAIN, AttentionSpec, update_and_attend, write_pages
 from jaxserve.parallel import ring
 from jaxserve.parallel.ring import Partial
 
@@ -67,28 +68,33 @@ class MeshAttention:
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                  write_at: tuple[jax.Array, jax.Array], page_table: jax.Array, positions: jax.Array,
-                 valid: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 valid: jax.Array, *, spec: AttentionSpec = PLAIN) -> tuple[jax.Array, jax.Array, jax.Array]:
         sp = self.mesh.shape["seq"]
+        if sp > 1 and (spec.softcap is not None or spec.window is not None):
+            raise ValueError(f"sequence parallelism (sp={sp}) takes no soft-capped or sliding-window attention "
+                             f"({spec}); run this model with sp=1")
         tokens = "seq" if sp > 1 and q.shape[1] > 1 else None
         heads, rows, pages = P(None, tokens, "model", None), P(None, tokens), P("model", "seq", None, None)
         body = self._local if sp == 1 else self._decode if q.shape[1] == 1 else self._prefill
-        fn = jax.shard_map(body, mesh=self.mesh, in_specs=(heads, heads, heads, pages, pages, (rows, rows), P(), rows, rows),
+        fn = jax.shard_map(partial(body, spec=spec), mesh=self.mesh,
+                           in_specs=(heads, heads, heads, pages, pages, (rows, rows), P(), rows, rows),
                            out_specs=(heads, pages, pages), check_vma=False)
         return fn(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid)
 
-    def _local(self, q, k, v, k_pages, v_pages, write_at, page_table, positions, valid):  # type: ignore[no-untyped-def]
-        return update_and_attend(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, backend=self.backend)
+    def _local(self, q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, *, spec):  # type: ignore[no-untyped-def]
+        return update_and_attend(q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, backend=self.backend,
+                                 spec=spec)
 
-    def _decode(self, q, k, v, k_pages, v_pages, write_at, page_table, positions, valid):  # type: ignore[no-untyped-def]
+    def _decode(self, q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, *, spec):  # type: ignore[no-untyped-def]
         n, shard = self.mesh.shape["seq"], jax.lax.axis_index("seq")
         k_pages, v_pages = write_local(k, v, k_pages, v_pages, *write_at, shard * k_pages.shape[1])
         part = stripe_partial(q, positions, k_pages, v_pages, page_table, positions[:, 0] + 1, shard=shard, n=n,
-                              scale=1.0 / math.sqrt(q.shape[-1]))
+                              scale=_scale(spec, q))
         return ring.finish(ring.merge_across(part, "seq"), q.dtype), k_pages, v_pages
 
-    def _prefill(self, q, k, v, k_pages, v_pages, write_at, page_table, positions, valid):  # type: ignore[no-untyped-def]
+    def _prefill(self, q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, *, spec):  # type: ignore[no-untyped-def]
         n, shard = self.mesh.shape["seq"], jax.lax.axis_index("seq")
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        scale = _scale(spec, q)
         gather = lambda x: jax.lax.all_gather(x, "seq", axis=1, tiled=True)  # noqa: E731
         all_pos, all_valid = gather(positions), gather(valid)
         start = jnp.min(jnp.where(all_valid, all_pos, jnp.iinfo(jnp.int32).max), axis=1)  # [b] the chunk's first
@@ -104,3 +110,7 @@ class MeshAttention:
                                                            axis="seq", n=n, causal=True, scale=scale, store=store,
                                                            stored=(k_pages, v_pages))
         return ring.finish(ring.merge(before, own), q.dtype), k_pages, v_pages
+
+
+def _scale(spec: AttentionSpec, q: jax.Array) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if spec.sm_scale is None else spec.sm_scale

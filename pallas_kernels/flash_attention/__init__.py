@@ -27,11 +27,20 @@ def _check_q(q: jax.Array, kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"heads={q.shape[2]} must be a multiple of kv_heads={kv_heads}")
 
 
+def check_options(softcap: float | None, window: int | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be positive (or None: no cap)")
+    if window is not None and window < 1:
+        raise ValueError(f"window={window} must be at least 1 (or None: no sliding window)")
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True, sm_scale: float | None = None,
-                    backend: str = "auto", block_sizes: Any = None, interpret: bool | None = None) -> jax.Array:
+                    softcap: float | None = None, window: int | None = None, backend: str = "auto",
+                    block_sizes: Any = None, interpret: bool | None = None) -> jax.Array:
     """Attention of q [b, q_len, heads, hd] over k, v [b, kv_len, kv_heads, hd] -> [b, q_len, heads, hd].
 
-    Causal masks align the last query with the last key (a chunk that ends the sequence).
+    Causal masks align the last query with the last key (a chunk that ends the sequence). `softcap` and the
+    sliding `window`: see reference.py.
     """
     if k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"k and v must both be [batch, kv_len, kv_heads, head_dim], got {k.shape=} {v.shape=}")
@@ -40,14 +49,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         raise ValueError(f"batch of q={q.shape[0]} differs from batch of k={k.shape[0]}")
     if causal and q.shape[1] > k.shape[1]:
         raise ValueError(f"causal attention needs q_len={q.shape[1]} <= kv_len={k.shape[1]}")
-    return _impl(backend).flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, block_sizes=block_sizes,
-                                          interpret=interpret)
+    check_options(softcap, window)
+    return _impl(backend).flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, softcap=softcap, window=window,
+                                          block_sizes=block_sizes, interpret=interpret)
 
 
 def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                           q_start: jax.Array, kv_lengths: jax.Array, *, causal: bool = True,
-                          sm_scale: float | None = None, backend: str = "auto", block_sizes: Any = None,
-                          interpret: bool | None = None) -> jax.Array:
+                          sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                          backend: str = "auto", block_sizes: Any = None, interpret: bool | None = None) -> jax.Array:
     """A prefill chunk q [b, q_len, heads, hd] at positions q_start[b] + i over its row's pages.
 
     Keys are the row's first kv_lengths[b] tokens, read from the pages its page_table row lists
@@ -61,8 +71,10 @@ def paged_flash_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
         raise ValueError(f"page_table.shape={page_table.shape} must be [batch={b}, pages_per_row]")
     if q_start.shape != (b,) or kv_lengths.shape != (b,):
         raise ValueError(f"q_start.shape={q_start.shape} and kv_lengths.shape={kv_lengths.shape} must be ({b},)")
+    check_options(softcap, window)
     return _impl(backend).paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, causal=causal,
-                                                sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
+                                                sm_scale=sm_scale, softcap=softcap, window=window,
+                                                block_sizes=block_sizes, interpret=interpret)
 
 
-__all__ = ["flash_attention", "paged_flash_attention"]
+__all__ = ["check_options", "flash_attention", "paged_flash_attention"]

@@ -460,9 +460,12 @@ def default_block_sizes(group: int, q_len: int) -> BlockSizes:
     return BlockSizes(heads_per_program=hpp)
 
 
-def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
+                    window: int | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None) -> jax.Array:
     """Dense flash attention (see reference.flash_attention); q_len and kv_len tile by the blocks."""
+    if softcap is not None or window is not None:
+        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     b, t, h, _ = q.shape
     s = k.shape[1]
     bs = block_sizes or default_block_sizes(h // k.shape[2], t)
@@ -477,9 +480,11 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
 
 
 def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, *, causal: bool = True,
-                          sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                          interpret: bool | None = None) -> jax.Array:
+                          sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                          block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Prefill chunk over K/V pages (see reference.paged_flash_attention), read page by page by TMA."""
+    if softcap is not None or window is not None:
+        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     h = q.shape[2]
     bs = block_sizes or default_block_sizes(h // k_pages.shape[0], q.shape[1])
     ps = k_pages.shape[2]

@@ -224,9 +224,12 @@ def default_block_q(q_len: int, group: int, block_q: int | None) -> int:
     return bq
 
 
-def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
+                    window: int | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None) -> jax.Array:
     """Dense flash attention (see reference.flash_attention): K/V transposed once into pages of block_k keys."""
+    if softcap is not None or window is not None:
+        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     bs = block_sizes or BlockSizes()
     b, t, h, hd = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -244,9 +247,11 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
 
 
 def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, *, causal: bool = True,
-                          sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                          interpret: bool | None = None) -> jax.Array:
+                          sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                          block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Prefill chunk over K/V pages (see reference.paged_flash_attention), pages copied by DMA, never gathered."""
+    if softcap is not None or window is not None:
+        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     bs = block_sizes or BlockSizes()
     kv, _, ps, _ = k_pages.shape
     block_k = bs.block_k or default_block_k(ps, page_table.shape[1], 128)

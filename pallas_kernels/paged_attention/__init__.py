@@ -10,13 +10,15 @@ from typing import Any
 import jax
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention import check_options
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, lengths: jax.Array,
-                    *, sm_scale: float | None = None, backend: str = "auto", block_sizes: Any = None,
-                    interpret: bool | None = None) -> jax.Array:
-    """q [b, heads, hd] attends to the first lengths[b] tokens of its row's pages -> [b, heads, hd]."""
+                    *, sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                    backend: str = "auto", block_sizes: Any = None, interpret: bool | None = None) -> jax.Array:
+    """q [b, heads, hd] attends to the first lengths[b] tokens of its row's pages -> [b, heads, hd]; with a sliding
+    `window`, to the last `window` of them. `softcap`: see pallas_kernels.flash_attention.reference."""
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, heads, head_dim], got q.shape={q.shape}")
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
@@ -31,9 +33,10 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_t
         raise ValueError(f"page_table.shape={page_table.shape} must be [batch={b}, pages_per_row]")
     if lengths.shape != (b,):
         raise ValueError(f"lengths.shape={lengths.shape} must be ({b},)")
+    check_options(softcap, window)
     module = backend_lib.implementation(__name__, backend)
-    return module.paged_attention(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
-                                  block_sizes=block_sizes, interpret=interpret)
+    return module.paged_attention(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, softcap=softcap,
+                                  window=window, block_sizes=block_sizes, interpret=interpret)
 
 
 def reads_float8_pages(backend: str, head_dim: int) -> bool:

@@ -385,8 +385,11 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+                    softcap: float | None = None, window: int | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None) -> jax.Array:
     """Decode attention over pages (see reference.paged_attention), pages read by TMA, never gathered."""
+    if softcap is not None or window is not None:
+        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     b, h, hd = q.shape
     kv, _, ps, _ = k_pages.shape
     group = h // kv

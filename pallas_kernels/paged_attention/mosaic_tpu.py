@@ -75,8 +75,11 @@ def reads_float8_pages(head_dim: int) -> bool:
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float | None = None,
-                    block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
+                    softcap: float | None = None, window: int | None = None, block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None) -> jax.Array:
     """Decode attention over pages (see reference.paged_attention), pages copied by DMA, never gathered."""
+    if softcap is not None or window is not None:
+        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     bs = block_sizes or BlockSizes()
     b, h, hd = q.shape
     kv, _, ps, _ = k_pages.shape

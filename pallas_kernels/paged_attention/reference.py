@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention.reference import paged_flash_attention
+from pallas_kernels.flash_attention.reference import paged_flash_attention, softcapped
 
 
 def paged_attention(
@@ -32,13 +32,16 @@ def paged_attention(
     lengths: jax.Array,  # [batch] int32: slot b attends to its first lengths[b] tokens
     *,
     sm_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
     block_sizes: Any = None,
     interpret: bool | None = None,
 ) -> jax.Array:  # [batch, heads, head_dim]
-    """Decode attention of each slot's query over its pages; slots of length 0 return zeros."""
+    """Decode attention of each slot's query (at position lengths - 1) over its pages; slots of length 0 return
+    zeros. `softcap`, `window`: see pallas_kernels.flash_attention.reference."""
     del block_sizes, interpret
     out = paged_flash_attention(q[:, None], k_pages, v_pages, page_table, lengths - 1, lengths,
-                                causal=False, sm_scale=sm_scale)
+                                causal=False, sm_scale=sm_scale, softcap=softcap, window=window)
     return out[:, 0]
 
 
@@ -50,9 +53,12 @@ def paged_attention_reference(
     q_positions: jax.Array,  # [batch, q_len] int32: query i sees keys at positions <= q_positions[i]
     *,
     sm_scale: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> jax.Array:  # [batch, q_len, heads, head_dim]
-    """Causal grouped-query attention over paged K/V, query i seeing keys <= q_positions[i]; the
-    softmax runs in float32. The engine's attention on XLA (CPU, or `--attention reference`)."""
+    """Causal grouped-query attention over paged K/V, query i seeing keys <= q_positions[i] (and with a `window`,
+    > q_positions[i] - window); the softmax runs in float32. The engine's attention on XLA (CPU, or `--attention
+    reference`). `softcap`: see pallas_kernels.flash_attention.reference."""
     b, t, h, hd = q.shape
     kv, _, page_size, _ = k_pages.shape
     if h % kv:
@@ -64,10 +70,14 @@ def paged_attention_reference(
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else sm_scale
     groups, keys = h // kv, page_table.shape[1] * page_size
     visible = jnp.arange(keys)[None, None, :] <= q_positions[:, :, None]  # [b, t, keys]
+    if window is not None:
+        visible = visible & (jnp.arange(keys)[None, None, :] > q_positions[:, :, None] - window)
     visible = jnp.repeat(visible, groups, axis=1)  # [b, t * groups, keys], query-major like each head's queries
     # Keys past the row's last query hold stale values from the page's previous owner (NaN, after a
     # request whose activations overflowed); zero them, since a zero weight times NaN is still NaN.
     written = jnp.arange(keys)[None, :, None] <= q_positions.max(axis=1)[:, None, None]  # [b, keys, 1]
+    if window is not None:  # and pages wholly behind every query's window may have been handed to another request
+        written = written & (jnp.arange(keys)[None, :, None] > q_positions.min(axis=1)[:, None, None] - window)
     q = q.reshape(b, t, kv, groups, hd)
     out = []
     for head in range(kv):
@@ -75,7 +85,7 @@ def paged_attention_reference(
         v = v_pages[head][page_table].reshape(b, keys, hd).astype(q.dtype)
         v = jnp.where(written, v, jnp.zeros((), v.dtype))
         qh = q[:, :, head].reshape(b, t * groups, hd)
-        scores = jnp.einsum("bqd,bsd->bqs", qh, k, preferred_element_type=jnp.float32) * scale
+        scores = softcapped(jnp.einsum("bqd,bsd->bqs", qh, k, preferred_element_type=jnp.float32) * scale, softcap)
         probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1).astype(v.dtype)
         out.append(jnp.einsum("bqs,bsd->bqd", probs, v).reshape(b, t, groups, hd))
     return jnp.stack(out, axis=2).reshape(b, t, h, hd)

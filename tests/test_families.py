@@ -1,0 +1,109 @@
+"""Every model family against transformers: a small random model of the family's real structural options (GQA, a
+sliding window shorter than the sequence, soft-capping, 8 experts routed top-2, LongRoPE) saved by transformers and
+loaded by jaxserve: each layer's input and the logits in float32, then 32 greedy tokens through the engine (paged KV
+in pages of 4, prefill in chunks of 8, two prompts sharing a prefix longer than the window)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jaxserve.checkpoint import load_model
+from jaxserve.config import SamplingParams
+from tests.helpers import full_forward, run_engine
+from tests.tiny_models import hf_tiny, save_tiny
+
+WINDOW = 8
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(8)],
+            "long_factor": [1.5 + 0.7 * i for i in range(8)]}
+# model_type, transformers config overrides, and switches that each break the match when turned off
+FAMILIES = {
+    "qwen3": ("qwen3", {"head_dim": 16}, [{"qk_norm": False}]),
+    "mistral": ("mistral", {"sliding_window": WINDOW}, [{"sliding_window": None}]),
+    "qwen2": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+              [{"local_layers": None}]),
+    "gemma2": ("gemma2", {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24, "initializer_range": 0.1,
+                          "attn_logit_softcapping": 0.5, "final_logit_softcapping": 0.4},
+               [{"attn_softcap": None}, {"final_softcap": None}, {"sliding_window": None, "local_layers": None}]),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": WINDOW,
+                               "sliding_window_pattern": 3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+               [{"local_rope_theta": None}, {"qk_norm": False}, {"sliding_window": None, "local_layers": None}]),
+    # original_max_position_embeddings 16: the prompts take the short factors, the tokens generated past 16 the long
+    "phi3": ("phi3", {"pad_token_id": 0, "sliding_window": 6, "original_max_position_embeddings": 16,
+                      "max_position_embeddings": 64, "rope_scaling": LONGROPE},
+             [{"rope_scaling": None}, {"sliding_window": None}]),
+    "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2}, [{"norm_topk_prob": False}]),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "head_dim": 16}, [{"norm_topk_prob": True}]),
+}
+MAX_REL_ERR = 1e-4
+
+
+def max_rel_err(ours, ref) -> float:
+    ref = np.asarray(ref)
+    return float(np.max(np.abs(np.asarray(ours) - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(name, the transformers model, jaxserve's load of what it saved)."""
+    model_type, overrides, _ = FAMILIES[request.param]
+    torch.set_num_threads(2)
+    hf = hf_tiny(model_type, **overrides)
+    directory = tmp_path_factory.mktemp(request.param)
+    save_tiny(hf, directory)
+    return request.param, hf, load_model(str(directory), dtype="float32")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, n)]
+
+
+def test_hidden_states_and_logits_match_transformers(family):
+    """Each layer's input and the logits of a 3 x WINDOW sequence; with any of the family's switches turned off,
+    the logits differ."""
+    name, hf, model = family
+    ids = prompt(1, 14 if name == "phi3" else 3 * WINDOW)  # phi3: below original_max_position_embeddings
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True)
+    out = full_forward(model, ids, return_hidden=True)
+    assert len(out.hidden_states) == model.config.num_layers
+    for i, ours in enumerate(out.hidden_states):
+        assert max_rel_err(ours, ref.hidden_states[i]) <= MAX_REL_ERR, f"input of layer {i}"
+    assert max_rel_err(out.logits, ref.logits) <= MAX_REL_ERR
+    for off in FAMILIES[name][2]:
+        changed = dataclasses.replace(model, config=dataclasses.replace(model.config, **off))
+        assert max_rel_err(full_forward(changed, ids).logits, ref.logits) > 10 * MAX_REL_ERR, f"{off} changes nothing"
+
+
+def test_engine_generates_the_greedy_tokens_of_transformers(family):
+    """32 greedy tokens of two prompts sharing a prefix longer than the window, through the engine: pages of 4
+    tokens, prefill chunks of 8, the second prompt's prefix pages taken from the first's."""
+    name, hf, model = family
+    window = model.config.sliding_window or WINDOW
+    shared = prompt(2, window + 5)
+    prompts = [shared + prompt(3, 3), shared + prompt(4, 2)]
+    done = run_engine(model, prompts, SamplingParams(max_tokens=32, ignore_eos=True), page_size=4, chunk_sizes=(8,))
+    for p, r in zip(prompts, done):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        assert r.output_ids == expected[0, len(p):].tolist(), f"prompt of {len(p)} tokens"
+    assert max(r.cached_tokens for r in done) >= 4 * (len(shared) // 4) > window
+
+
+def test_info_json_reports_the_architecture_and_its_switches(tmp_path):
+    from tests.test_cli import jaxserve
+
+    _, overrides, _ = FAMILIES["gemma2"]
+    save_tiny(hf_tiny("gemma2", **overrides), tmp_path)
+    proc = jaxserve("info", "--json", "--model", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["architecture"] == "gemma2"
+    assert info["switches"] == {"sliding_window": WINDOW, "local_layers": [0], "activation": "gelu_tanh",
+                                "embed_scale": True, "sandwich_norm": True, "query_pre_attn_scalar": 24.0,
+                                "attn_softcap": 0.5, "final_softcap": 0.4}
