@@ -53,7 +53,7 @@ def _geometric(low: int, high: int, ratio: float) -> tuple[int, ...]:
 
 
 def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len: int,
-              cfg: EngineConfig | None = None, seed: int = 0) -> dict[str, Any] | None:
+              cfg: EngineConfig | None = None, seed: int = 0, params: SamplingParams | None = None) -> dict[str, Any] | None:
     """Builds an engine for the load, then runs it (`run_load`); adds the build's seconds as compile_s. A follower
     of a multi-host group runs the leader's steps instead and gets None."""
     cfg = cfg or bench_config(num_requests, input_len, output_len)
@@ -63,19 +63,21 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
         return None
     compile_s = time.perf_counter() - compile_start
     try:
-        return {**run_load(engine, num_requests, input_len, output_len, seed), "compile_s": compile_s}
+        return {**run_load(engine, num_requests, input_len, output_len, seed, params), "compile_s": compile_s}
     finally:
         release_followers(engine)
 
 
-def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int, seed: int = 0) -> dict[str, Any]:
+def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int, seed: int = 0,
+             params: SamplingParams | None = None) -> dict[str, Any]:
     """Submits `num_requests` random prompts at once to a built engine and runs them to completion; returns
     throughput and latencies. An engine runs several loads in turn: give each its own seed, or the prefix
-    cache serves the prompts of the last one."""
+    cache serves the prompts of the last one. `params`: every request's sampling (default greedy; max_tokens is
+    output_len and the end of sequence is ignored either way)."""
     rng = random.Random(seed)
     vocab = engine.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    params = dataclasses.replace(params or SamplingParams(), max_tokens=output_len, ignore_eos=True)
     preempted, before = engine.scheduler.num_preemptions, dataclasses.replace(engine.stats)
     start = time.perf_counter()
     requests = engine.generate(prompts, [params] * num_requests)

@@ -93,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.step import release_followers
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+                            top_p=args.top_p, seed=args.seed, **sampling_extras(args))
     launch.join(args)
     model = _load(args)
     tok = model.tokenizer
@@ -112,19 +112,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if engine is None:
         return 0
     start = time.perf_counter()
-    requests = engine.generate(prompts, [params] * len(prompts))
+    children = params.children()
+    requests = engine.generate([p for p in prompts for _ in children], children * len(prompts))
     release_followers(engine)
-    for text_in, r in zip(args.prompts, requests):
+    for i, r in enumerate(requests):
+        text_in = args.prompts[i // len(children)]
         if args.json:
-            print(json.dumps({"prompt": text_in, "text": r.text, "token_ids": r.output_ids,
-                              "prompt_token_ids": r.prompt_ids, "finish_reason": r.finish_reason},
-                             ensure_ascii=False), flush=True)
+            out = {"prompt": text_in, "index": i % len(children), "text": r.text, "token_ids": r.output_ids,
+                   "prompt_token_ids": r.prompt_ids, "finish_reason": r.finish_reason}
+            if params.logprobs:
+                out["logprobs"] = [{"logprob": lp, "top": top} for lp, top in r.logprobs]
+            if params.prompt_logprobs is not None:
+                out["prompt_logprobs"] = [e and {"logprob": e[0], "top": e[1]} for e in r.prompt_logprobs]
+            print(json.dumps(out, ensure_ascii=False), flush=True)
         else:
             print(r.text if args.chat else text_in + r.text, flush=True)
     tokens = sum(len(r.output_ids) for r in requests)
     log.info("%d tokens in %.2f s (%.1f tokens/s) over %d engine steps", tokens, time.perf_counter() - start,
              tokens / (time.perf_counter() - start), engine.stats.steps)
     return 0
+
+
+def sampling_extras(args: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields of the sampling flags beyond the basic ones (those a command has)."""
+    extras: dict[str, Any] = {}
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens", "n",
+                 "prompt_logprobs"):
+        if hasattr(args, name):
+            extras[name] = getattr(args, name)
+    bias = []
+    for entry in args.logit_bias:
+        token, _, value = entry.partition("=")
+        try:
+            bias.append((int(token), float(value)))
+        except ValueError:
+            raise InputError(f"--logit-bias {entry!r} must be TOKEN=BIAS, a token id and a number") from None
+    extras["logit_bias"] = tuple(bias)
+    return extras
+
+
+def _grpc_sampling(extras: dict[str, Any]) -> dict[str, Any]:
+    """`sampling_extras` as jaxserve.v1 SamplingParams fields."""
+    out = dict(extras)
+    out["logit_bias"] = dict(extras["logit_bias"])
+    if out.get("prompt_logprobs") is None:
+        out.pop("prompt_logprobs", None)
+    return out
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -235,28 +268,31 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     """Streams one generation from a running server to stdout."""
     import grpc
 
-    from jaxserve.client import TLS, Client, Completion
+    from jaxserve.client import TLS, Client, gather
 
     tls = TLS.from_files(args.ca, args.key, args.cert) if (args.ca or args.cert) else None
     kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
-    result = Completion()
+    if args.n > 1 and not args.json:
+        raise InputError(f"--n={args.n} streams samples interleaved; add --json to get one object per sample")
+    responses = []
     with Client(args.address, token=args.token, tls=tls) as client:
         try:
             for response in client.generate(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                            top_p=args.top_p, seed=args.seed, timeout=args.timeout, **kwargs):
-                result.add(response)
+                                            top_p=args.top_p, seed=args.seed, timeout=args.timeout,
+                                            **_grpc_sampling(sampling_extras(args)), **kwargs):
+                responses.append(response)
                 if response.HasField("chunk") and not args.json:
                     print(response.chunk.text, end="", flush=True)
         except grpc.RpcError as e:
             print(f"\njaxserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    if args.json:
-        print(json.dumps({"prompt": args.prompt, "text": result.text, "token_ids": result.token_ids,
-                          "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
-                          "completion_tokens": result.completion_tokens, "cached_tokens": result.cached_tokens},
-                         ensure_ascii=False))
-    else:
+    if not args.json:
         print(flush=True)
+    for result in gather(responses) if args.json else ():
+        print(json.dumps({"prompt": args.prompt, "index": result.index, "text": result.text,
+                          "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+                          "prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                          "cached_tokens": result.cached_tokens}, ensure_ascii=False))
     return 0
 
 
@@ -289,7 +325,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, kv_memory_fraction=args.kv_memory_fraction)
     if args.kv_cache_dtype:
         cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
-    result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg)
+    from jaxserve.config import SamplingParams
+
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, **sampling_extras(args))
+    result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg, params=params)
     if result is None:  # a follower
         return 0
     if args.json:
@@ -305,12 +345,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def sampling(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--max-tokens", type=int, default=64)
+    def sampling(p: argparse.ArgumentParser, *, lengths: bool = True) -> None:
+        if lengths:
+            p.add_argument("--max-tokens", type=int, default=64)
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--min-tokens", type=int, default=0,
+                           help="hold back the stop tokens and stop strings until this many tokens are out")
+            p.add_argument("--n", type=int, default=1, help="samples of each prompt, sample i seeded seed + i")
+            p.add_argument("--prompt-logprobs", type=int, default=None,
+                           help="each prompt token's log-probability and this many top alternatives (with --json)")
         p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
         p.add_argument("--top-k", type=int, default=0, help="0 disables")
         p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+        p.add_argument("--presence-penalty", type=float, default=0.0)
+        p.add_argument("--frequency-penalty", type=float, default=0.0)
+        p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 disables")
+        p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                       help="add BIAS to token id TOKEN's logit (repeatable)")
+        p.add_argument("--logprobs", type=int, default=0, help="top log-probabilities per token (with --json)")
 
     gen = sub.add_parser("generate", help="continue one or more prompts")
     _add_model_args(gen)
@@ -364,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="size the KV pages from the device's memory: this share of it in all (GPU/TPU; default: "
                             "every slot's full length)")
     bench.add_argument("--json", action="store_true")
+    sampling(bench, lengths=False)
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="serve the gRPC API (jaxserve.v1.InferenceService) and the OpenAI-compatible "

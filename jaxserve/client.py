@@ -12,7 +12,7 @@ Failures arrive as `grpc.RpcError` with the server's status code and message.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +50,7 @@ class TLS:
 
 @dataclass
 class Completion:
-    """A whole generation, gathered from its stream."""
+    """A whole generation, gathered from its stream (one sample's: `index`; a stream of n samples makes n)."""
 
     request_id: str = ""
     text: str = ""
@@ -60,6 +60,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    index: int = 0
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.request_id = response.request_id
@@ -67,27 +69,40 @@ class Completion:
             self.text += response.chunk.text
             self.token_ids.extend(response.chunk.token_ids)
             self.logprobs.extend(response.chunk.logprobs)
+            self.prompt_logprobs.extend(response.chunk.prompt_logprobs)
+            self.index = response.chunk.index
         elif response.HasField("completion"):
             done = response.completion
             self.finish_reason = FINISH_REASONS.get(done.finish_reason, "unspecified")
             self.prompt_tokens = done.usage.prompt_tokens
             self.completion_tokens = done.usage.completion_tokens
             self.cached_tokens = done.usage.cached_tokens
+            self.index = done.index
+
+
+def gather(responses: Iterable[pb.GenerateResponse]) -> list[Completion]:
+    """Each sample's Completion from a stream, in sample order."""
+    samples: dict[int, Completion] = {}
+    for response in responses:
+        kind = response.chunk if response.HasField("chunk") else response.completion
+        samples.setdefault(kind.index, Completion()).add(response)
+    return [samples[i] for i in sorted(samples)]
 
 
 def generate_request(*, prompt: str | None = None, token_ids: Sequence[int] | None = None,
                      messages: Sequence[dict[str, str]] | None = None, request_id: str = "", priority: int = 0,
                      max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float | None = None,
                      seed: int = 0, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                     logprobs: int = 0) -> pb.GenerateRequest:
-    """Builds a GenerateRequest; exactly one of prompt, token_ids and messages must be given."""
+                     logprobs: int = 0, **sampling: Any) -> pb.GenerateRequest:
+    """Builds a GenerateRequest; exactly one of prompt, token_ids and messages must be given. `sampling`: more
+    SamplingParams fields by name (presence_penalty, logit_bias, n, prompt_logprobs, ...)."""
     given = [name for name, value in (("prompt", prompt), ("token_ids", token_ids), ("messages", messages))
              if value is not None]
     if len(given) != 1:
         raise ValueError(f"pass exactly one of prompt, token_ids, messages; got {given or 'none'}")
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-                                 logprobs=logprobs)
+                                 logprobs=logprobs, **sampling)
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling, priority=priority)
     if prompt is not None:
         request.prompt = prompt

@@ -41,6 +41,22 @@ def test_generate_chat_and_sampling_flags():
     assert again["token_ids"] == out["token_ids"], "same seed, same tokens"
 
 
+def test_generate_takes_every_sampling_field():
+    proc = jaxserve("generate", "--json", "--max-tokens", "5", "--temperature", "1.0", "--seed", "4", "--n", "2",
+                    "--min-p", "0.05", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+                    "--repetition-penalty", "1.2", "--logit-bias", "11=-100", "--min-tokens", "5", "--logprobs", "2",
+                    "--prompt-logprobs", "1", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    samples = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [s["index"] for s in samples] == [0, 1] and samples[0]["token_ids"] != samples[1]["token_ids"]
+    for s in samples:
+        assert len(s["token_ids"]) == 5 and 11 not in s["token_ids"]
+        assert len(s["logprobs"]) == 5 and all(len(e["top"]) == 2 for e in s["logprobs"])
+        assert s["prompt_logprobs"][0] is None and len(s["prompt_logprobs"]) == 5
+    bad = jaxserve("generate", "--logit-bias", "eleven=1", "x")
+    assert bad.returncode != 0 and "--logit-bias 'eleven=1' must be TOKEN=BIAS" in bad.stderr
+
+
 def test_info_json_reports_config_and_bytes():
     proc = jaxserve("info", "--json")
     assert proc.returncode == 0, proc.stderr

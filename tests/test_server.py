@@ -126,6 +126,33 @@ def test_chat_messages_token_ids_and_logprobs(client, smollm):
     assert stopped.text == " Paris" and stopped.finish_reason == "stop"
 
 
+def test_sampling_fields_n_samples_and_prompt_logprobs(client, smollm):
+    """The vLLM sampling fields over gRPC: n samples stream interleaved, each message with its index, then a
+    completion each; prompt log-probabilities come in a sample's first chunk."""
+    london = smollm.tokenizer.encode(" London")[0]
+    biased = client.complete(prompt=PARIS, max_tokens=3, logit_bias={london: 100.0})
+    assert biased.token_ids == [london] * 3
+    plain = client.complete(prompt=PARIS, max_tokens=6).token_ids
+    penalised = client.complete(prompt=PARIS, max_tokens=6, repetition_penalty=1.5, presence_penalty=2.0,
+                                frequency_penalty=1.0, min_p=0.1, min_tokens=6)
+    assert len(penalised.token_ids) == 6 and penalised.token_ids != plain
+    responses = list(client.generate(prompt=PARIS, max_tokens=5, temperature=1.0, seed=3, n=3, prompt_logprobs=2))
+    samples: dict[int, list[int]] = {}
+    completions = [r.completion for r in responses if r.HasField("completion")]
+    assert sorted(c.index for c in completions) == [0, 1, 2]
+    for r in responses:
+        if r.HasField("chunk"):
+            if r.chunk.index not in samples:
+                prompt = list(r.chunk.prompt_logprobs)
+                assert [e.token_id for e in prompt] == client.tokenize(prompt=PARIS)[1:]
+                assert all(len(e.top) == 2 and e.logprob <= 0 for e in prompt)
+            samples.setdefault(r.chunk.index, []).extend(r.chunk.token_ids)
+    assert len({tuple(v) for v in samples.values()}) == 3 and all(len(v) == 5 for v in samples.values())
+    with pytest.raises(grpc.RpcError) as error:
+        client.complete(prompt=PARIS, max_tokens=4, n=17)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n=17" in error.value.details()
+
+
 def test_model_info_and_tokenize(client, smollm):
     info = client.model_info()
     assert info.vocab_size == 49152 and info.context_length == 8192 and info.architecture == "llama"

@@ -9,7 +9,6 @@ the field and value. With the server's auth token set, /v1/* and /tokenize, /det
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import json
@@ -30,14 +29,12 @@ from jaxserve.engine import validation
 from jaxserve.engine.validation import InvalidArgument, Limits
 from jaxserve.errors import InputError
 from jaxserve.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxserve.openai_format import Formatter
 from jaxserve.server.frontend import Ended, Frontend, Refused
 from jaxserve.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-# A token's logprobs entry: (id, its log-probability, the top alternatives); an echoed prompt's first token has
-# neither.
-Entry = tuple[int, float | None, list[tuple[int, float]] | None]
 _ENDED_STATUS = {"drained": 503, "behind": 429, "deadline": 408, "error": 500}
 
 
@@ -236,48 +233,21 @@ async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[
     children = _children(body, prompts, limits, chat, logprobs, prompt_only)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
-    events: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue()
     tok = front.engine.tokenizer if front.engine is not None else None
-
-    async def child(index: int, ids: list[int], params: Any) -> None:
-        stream = front.generate(ids, params)
-        try:
-            async with contextlib.aclosing(stream):
-                first = True
-                async for request, update in stream:
-                    if first and update.token_ids:
-                        metrics.first_token(request)
-                        first = False
-                    metrics.generation_tokens.inc(len(update.token_ids))
-                    if update.finish_reason is not None:
-                        metrics.finished(request)
-                    await events.put((index, request, update))
-        except (Refused, Ended, InputError) as e:
-            await events.put((index, None, e))
-        finally:
-            await events.put((index, None, None))  # this child is done
-
     for _, ids, _ in children:
         metrics.prompt_tokens.inc(len(ids))
-    tasks = [asyncio.create_task(child(*c)) for c in children]
 
     async def updates() -> AsyncGenerator[tuple[int, Any, Any], None]:
-        """Every child's updates as they come, until all are done; the children are cancelled if this stops."""
-        try:
-            left = len(tasks)
-            while left:
-                index, request, update = await events.get()
-                if request is None and update is None:
-                    left -= 1
-                    continue
-                if request is None:
-                    raise update
+        """Every choice's updates as they come, counted in the metrics."""
+        seen: set[int] = set()
+        async with contextlib.aclosing(front.generate_many([(ids, params) for _, ids, params in children])) as stream:
+            async for index, request, update in stream:
+                metrics.count(request, update, first=index not in seen)
+                if update.token_ids:
+                    seen.add(index)
                 yield index, request, update
-        finally:
-            for t in tasks:
-                t.cancel()
 
-    fmt = _Formatter(tok, chat, top, logprobs, rid, created, name, len(children), body.n,
+    fmt = Formatter(tok, chat, top, logprobs, rid, created, name, len(children), body.n,
                      [ids for _, ids, _ in children], echo=echo, prompt_only=prompt_only,
                      prompt_logprobs=children[0][2].prompt_logprobs if body.prompt_logprobs is not None else None)
     if body.stream:
@@ -300,7 +270,7 @@ async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[
     return fmt.response()
 
 
-async def _sse(updates: AsyncGenerator[tuple[int, Any, Any], None], fmt: _Formatter, usage: bool) -> AsyncIterator[str]:
+async def _sse(updates: AsyncGenerator[tuple[int, Any, Any], None], fmt: Formatter, usage: bool) -> AsyncIterator[str]:
     try:
         async with contextlib.aclosing(updates) as stream:
             async for index, request, update in stream:
@@ -313,142 +283,3 @@ async def _sse(updates: AsyncGenerator[tuple[int, Any, Any], None], fmt: _Format
             _ENDED_STATUS.get(getattr(e, "kind", ""), 503)
         yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': status}})}\n\n"
     yield "data: [DONE]\n\n"
-
-
-class _Formatter:
-    """Builds OpenAI's response bodies (whole, or one streamed chunk at a time) from the children's updates."""
-
-    def __init__(self, tok: Any, chat: bool, top: int, logprobs: int, rid: str, created: int, model: str, n: int,
-                 n_per_prompt: int, prompt_ids: list[list[int]], *, echo: bool = False, prompt_only: bool = False,
-                 prompt_logprobs: int | None = None):
-        self.tok, self.chat, self.top, self.logprobs, self.n_per_prompt = tok, chat, top, logprobs, n_per_prompt
-        self.rid, self.created, self.model = rid, created, model
-        # echo: each choice's prompt ids, put before its text (and, with logprobs, its entries: the prompt's own
-        # log-probabilities, none for the first token); prompt_only: echo with max_tokens 0, whose one generated
-        # token is dropped; prompt_logprobs: vLLM's field, each choice's `prompt_logprobs`
-        self.prompt_ids, self.echo, self.prompt_only, self.prompt_logprobs_k = prompt_ids, echo, prompt_only, \
-            prompt_logprobs
-        self.prompt_entries: list[list | None] = [None] * n
-        self.echoed = [False] * n
-        self.text = [""] * n
-        self.lps: list[list[Entry]] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.prompt_tokens = [0] * n
-        self.cached_tokens = [0] * n
-        self.completion_tokens = [0] * n
-        self.sent_role = [False] * n
-
-    def add(self, index: int, request: Any, update: Any) -> None:
-        if update.prompt_logprobs is not None:
-            self.prompt_entries[index] = update.prompt_logprobs
-        self.prompt_tokens[index] = len(request.prompt_ids)
-        self.cached_tokens[index] = request.cached_tokens
-        if update.finish_reason is not None:
-            self.finish[index] = update.finish_reason
-        if self.prompt_only:
-            return
-        self.text[index] += update.text
-        self.lps[index] += self._entries(update)
-        self.completion_tokens[index] = len(request.output_ids)
-
-    @staticmethod
-    def _entries(update: Any) -> list[Entry]:
-        return [(t, chosen, tops) for t, (chosen, tops) in zip(update.token_ids, update.logprobs)]
-
-    def _echo(self, index: int) -> tuple[str, list[Entry]]:
-        """The prompt's text and logprobs entries that echo puts first in choice `index`."""
-        ids = self.prompt_ids[index]
-        entries = self.prompt_entries[index] or [None] * len(ids)
-        return (self._decode(ids), [(t, e[0] if e else None, e[1] if e else None) for t, e in zip(ids, entries)])
-
-    def _decode(self, ids: list[int]) -> str:
-        return str(self.tok.decode(ids, skip_special_tokens=False)) if self.tok is not None else ""
-
-    def _prompt_logprobs(self, index: int) -> Any:
-        """vLLM's `prompt_logprobs` of a choice: None for the first token, then {id: {logprob, decoded_token}} of the
-        prompt token and the top alternatives."""
-        entries = self.prompt_entries[index]
-        if entries is None:
-            return None
-        ids = self.prompt_ids[index]
-        out: list[Any] = []
-        for p, entry in enumerate(entries):
-            if entry is None:
-                out.append(None)
-                continue
-            logprob, tops = entry
-            pairs = [(ids[p], logprob), *tops]
-            out.append({str(t): {"logprob": lp, "decoded_token": self._token(t)} for t, lp in pairs})
-        return out
-
-    def _token(self, token: int) -> str:
-        return str(self.tok.decode([token], skip_special_tokens=False)) if self.tok is not None else str(token)
-
-    def _logprobs(self, entries: list[Entry], offset: int = 0) -> Any:
-        if not self.logprobs:
-            return None
-        if self.chat:
-            return {"content": [{"token": self._token(t), "logprob": lp, "bytes": list(self._token(t).encode()),
-                                 "top_logprobs": [{"token": self._token(i), "logprob": v,
-                                                   "bytes": list(self._token(i).encode())} for i, v in (tops or [])[:self.top]]}
-                                for t, lp, tops in entries]}
-        tokens = [self._token(t) for t, _, _ in entries]
-        offsets = []
-        for s in tokens:
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [None if tops is None else {self._token(i): v for i, v in tops[:self.logprobs]}
-                                 for _, _, tops in entries], "text_offset": offsets}
-
-    def usage(self) -> dict[str, Any]:
-        # each prompt counted once (its n choices share it), every choice's output
-        firsts = range(0, len(self.prompt_tokens), self.n_per_prompt)
-        prompt = sum(self.prompt_tokens[i] for i in firsts)
-        completion = sum(self.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[i] for i in firsts)}}
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for i, text in enumerate(self.text):
-            finish = self.finish[i]
-            if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": self._logprobs(self.lps[i]), "finish_reason": finish})
-            else:
-                entries = self.lps[i]
-                if self.echo:
-                    echoed, prompt_entries = self._echo(i)
-                    text, entries = echoed + text, prompt_entries + entries
-                choices.append({"index": i, "text": text, "logprobs": self._logprobs(entries), "finish_reason": finish})
-            if self.prompt_logprobs_k is not None:
-                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(i)
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage()}
-
-    def chunk(self, index: int, update: Any) -> dict[str, Any]:
-        entries = [] if self.prompt_only else self._entries(update)
-        text = "" if self.prompt_only else update.text
-        if self.chat:
-            delta: dict[str, Any] = {"content": update.text}
-            if not self.sent_role[index]:
-                delta["role"] = "assistant"
-                self.sent_role[index] = True
-            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(entries),
-                      "finish_reason": update.finish_reason}
-        else:
-            if self.echo and not self.echoed[index]:  # the prompt comes first, in the choice's first chunk
-                self.echoed[index] = True
-                echoed, prompt_entries = self._echo(index)
-                text, entries = echoed + text, prompt_entries + entries
-            choice = {"index": index, "text": text, "logprobs": self._logprobs(entries),
-                      "finish_reason": update.finish_reason}
-        if self.prompt_logprobs_k is not None and update.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(index)
-        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
-
-    def usage_chunk(self) -> dict[str, Any]:
-        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}

@@ -8,9 +8,10 @@ Two forms are read, one JSON object a line:
   key beside them.
 
 A completions prompt is a string or a list of token ids; chat messages are rendered with the
-model's chat template. Sampling keys a line leaves out come from the job's defaults. A line that
-asks for something jaxserve cannot honour (several choices, streaming, penalties) is an error, never
-silently served otherwise. Blank lines are skipped; line numbers count every physical line from 1.
+model's chat template. Sampling keys a line leaves out come from the job's defaults; every sampling field
+the HTTP API takes is read (penalties, min_p, logit_bias, min_tokens, n, logprobs, prompt_logprobs). A line that
+asks for something jaxserve cannot honour (streaming, best_of, echo) is an error, never silently served
+otherwise. Blank lines are skipped; line numbers count every physical line from 1.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ CHAT = "/v1/chat/completions"
 
 _ENVELOPE = {"custom_id", "method", "url", "body"}
 _INT_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "top_k": "top_k", "seed": "seed"}
-_FLOAT_KEYS = ("temperature", "top_p")
+# passed to validation.sampling as they are
+_SAMPLING_KEYS = ("temperature", "top_p", "stop", "ignore_eos", "stop_token_ids", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "n", "prompt_logprobs")
 _IGNORED_KEYS = ("model", "user")  # accepted and not used: the job serves one model
-_DEFAULT_ONLY = {"n": 1, "best_of": 1, "stream": False, "echo": False, "logprobs": 0, "top_logprobs": 0,
-                 "presence_penalty": 0, "frequency_penalty": 0}  # accepted only at these values
+_DEFAULT_ONLY = {"best_of": 1, "stream": False, "echo": False}  # accepted only at these values
 
 
 class LineError(JaxserveError):
@@ -59,6 +61,9 @@ class BatchRequest:
     prompt: Any  # completions: text or token ids
     messages: Any  # chat: [{role, content}]
     sampling: dict[str, Any]  # SamplingParams' fields, the job's defaults where the line leaves them out
+    # log-probabilities the result shows: completions' `logprobs` (top k), chat's `logprobs` with `top_logprobs`
+    logprobs: int = 0
+    top_logprobs: int = 0
 
     def prompt_ids(self, tokenizer: Tokenizer, limits: validation.Limits) -> list[int]:
         """The prompt's token ids: encoded text, the ids as given, or the rendered chat."""
@@ -157,9 +162,10 @@ def parse_line(raw: bytes, line: int, defaults: SamplingParams) -> BatchRequest:
     try:
         url, body = _envelope(obj)
         sampling = _sampling(body, url, cid, defaults)
+        shown = {"logprobs": sampling["logprobs"], "top_logprobs": body.get("top_logprobs") or 0}
         if url == COMPLETIONS:
-            return BatchRequest(line, cid, url, _prompt(body), None, sampling)
-        return BatchRequest(line, cid, url, None, _messages(body), sampling)
+            return BatchRequest(line, cid, url, _prompt(body), None, sampling, **shown)
+        return BatchRequest(line, cid, url, None, _messages(body), sampling, **shown)
     except JaxserveError as e:
         raise LineError(line, "invalid_request", str(e), cid) from None
 
@@ -192,14 +198,20 @@ def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams
             continue
         if key in _INT_KEYS:
             values[_INT_KEYS[key]] = value
-        elif key in (*_FLOAT_KEYS, "stop", "ignore_eos"):
+        elif key in _SAMPLING_KEYS:
             values[key] = value
+        elif key == "logprobs":  # completions: how many top alternatives; chat: whether, with top_logprobs
+            values[key] = value if url == COMPLETIONS else (max(1, body.get("top_logprobs") or 0) if value else 0)
+        elif key == "top_logprobs" and url == CHAT:
+            if value and not body.get("logprobs"):
+                raise JaxserveError("top_logprobs needs logprobs: true")
         elif key in _DEFAULT_ONLY:
             if value != _DEFAULT_ONLY[key]:
                 raise JaxserveError(f"{key}={value!r} is not supported by jaxserve batch; leave it out or set it to "
                                     f"{json.dumps(_DEFAULT_ONLY[key])}")
         else:
-            known = sorted({prompt_key, "stop", "ignore_eos", *_INT_KEYS, *_FLOAT_KEYS, *_IGNORED_KEYS, *_DEFAULT_ONLY})
+            known = sorted({prompt_key, "logprobs", *_INT_KEYS, *_SAMPLING_KEYS, *_IGNORED_KEYS, *_DEFAULT_ONLY}
+                           | ({"top_logprobs"} if url == CHAT else set()))
             raise JaxserveError(f"body key {key!r} is not supported; jaxserve batch reads {', '.join(known)}")
     if "seed" not in values:  # reproducible per request, and independent across requests
         values["seed"] = (defaults.seed + zlib.crc32(cid.encode())) % 2**32

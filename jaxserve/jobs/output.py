@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxserve.engine.request import Request
 from jaxserve.errors import JaxserveError
 from jaxserve.jobs.input import CHAT, BatchRequest
+from jaxserve.openai_format import Formatter
 
 
 def _hex_id(custom_id: str | None, line: int) -> str:
@@ -29,22 +29,22 @@ def _hex_id(custom_id: str | None, line: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def result_record(item: BatchRequest, request: Request, *, model: str, created: int) -> dict[str, Any]:
-    """The output line of a served request: status 200 and a completions or chat-completions body."""
+def result_formatter(item: BatchRequest, prompt_ids: list[int], tokenizer: Any, *, model: str,
+                     created: int) -> Formatter:
+    """What builds a served line's body from its choices' updates: the HTTP API's completions or chat-completions
+    body (jaxserve.openai_format), the choices' log-probabilities included when the line asked for them."""
+    chat = item.url == CHAT
+    n = item.sampling.get("n", 1)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{_hex_id(item.custom_id, item.line)}"
+    return Formatter(tokenizer, chat, item.top_logprobs, item.sampling["logprobs"], rid, created, model, n, n,
+                     [prompt_ids] * n, prompt_logprobs=item.sampling.get("prompt_logprobs"))
+
+
+def result_record(item: BatchRequest, formatter: Formatter) -> dict[str, Any]:
+    """The output line of a served request: status 200 and its body."""
     hex_id = _hex_id(item.custom_id, item.line)
-    if item.url == CHAT:
-        kind, object_name = "chatcmpl", "chat.completion"
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": request.text}}
-    else:
-        kind, object_name = "cmpl", "text_completion"
-        choice = {"index": 0, "text": request.text}
-    choice.update(logprobs=None, finish_reason=request.finish_reason)
-    prompt_tokens, completion_tokens = len(request.prompt_ids), len(request.output_ids)
-    body = {"id": f"{kind}-{hex_id}", "object": object_name, "created": created, "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
-    return {"id": f"batch_req_{hex_id}", "custom_id": item.custom_id, "response": {"status_code": 200, "body": body},
-            "error": None}
+    return {"id": f"batch_req_{hex_id}", "custom_id": item.custom_id,
+            "response": {"status_code": 200, "body": formatter.response()}, "error": None}
 
 
 def error_record(line: int, code: str, message: str, custom_id: str | None) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from jaxserve.engine.engine import Engine
 from jaxserve.engine.request import Request
 from jaxserve.errors import InputError, JaxserveError
 from jaxserve.jobs.input import BatchRequest, LineError, in_shard, parse_line, read_lines, scan_input
-from jaxserve.jobs.output import ResultsFile, error_record, result_record
+from jaxserve.jobs.output import ResultsFile, error_record, result_formatter, result_record
+from jaxserve.openai_format import Formatter
 
 
 def shard_output(path: str, shard_index: int, num_shards: int) -> str:
@@ -39,6 +40,17 @@ def shard_output(path: str, shard_index: int, num_shards: int) -> str:
         return path
     root, ext = os.path.splitext(path)
     return f"{root}.shard-{shard_index:05d}-of-{num_shards:05d}{ext}"
+
+
+@dataclass
+class Line:
+    """A line in flight: its requests (its n samples) and the body their updates build."""
+
+    item: BatchRequest
+    requests: list[Request]
+    formatter: Formatter
+    left: int  # samples not finished yet
+    error: str | None = None  # the first sample's engine error: the line's record
 
 
 @dataclass
@@ -132,7 +144,7 @@ class BatchJob:
                    disable=not self.cfg.progress, mininterval=0.5 if out.isatty() else 30.0, smoothing=0.05)
         created = int(time.time())
         limits = validation.Limits.of(engine, ServerConfig())  # a server's default request limits
-        in_flight: dict[str, tuple[BatchRequest, Request]] = {}
+        in_flight: dict[str, tuple[Line, int]] = {}  # request id -> its line, its sample's index
         pending = self._pending()
         exhausted = False
         start = time.perf_counter()
@@ -148,7 +160,7 @@ class BatchJob:
                         records.append(error_record(item.line, item.code, str(item), item.custom_id))
                     else:
                         try:
-                            request = self._submit(engine, item, limits)
+                            line = self._submit(engine, item, limits, model, created)
                         except Exception as e:  # the line's own failure: validation, template, tokenizer, engine
                             if engine.fault is not None:
                                 raise
@@ -156,25 +168,33 @@ class BatchJob:
                             records.append(error_record(item.line, "invalid_request", f"line {item.line}: {message}",
                                                         item.custom_id))
                         else:
-                            in_flight[request.request_id] = (item, request)
+                            for index, request in enumerate(line.requests):
+                                in_flight[request.request_id] = (line, index)
                 if in_flight:
                     engine.step()
-                for request_id, (item, request) in list(in_flight.items()):
+                for request_id, (line, index) in list(in_flight.items()):
                     box = engine.outbox(request_id)
+                    request = line.requests[index]
                     while not box.empty():
                         update = box.get_nowait()
                         tokens_seen += len(update.token_ids)
+                        line.formatter.add(index, request, update)
                         if update.finish_reason is None:
                             continue
                         del in_flight[request_id]
                         engine.close_outbox(request_id)
-                        if update.error is not None:
-                            records.append(error_record(item.line, "engine_error", f"line {item.line}: {update.error}",
+                        line.left -= 1
+                        line.error = line.error or update.error
+                        if line.left:
+                            continue
+                        item = line.item
+                        if line.error is not None:
+                            records.append(error_record(item.line, "engine_error", f"line {item.line}: {line.error}",
                                                         item.custom_id))
                         else:
-                            records.append(result_record(item, request, model=model, created=created))
+                            records.append(result_record(item, line.formatter))
                             stats.prompt_tokens += len(request.prompt_ids)
-                            stats.output_tokens += len(request.output_ids)
+                            stats.output_tokens += sum(len(r.output_ids) for r in line.requests)
                 self.results.append(records)
                 for r in records:
                     if r["error"] is None:
@@ -194,11 +214,22 @@ class BatchJob:
         return stats
 
     @staticmethod
-    def _submit(engine: Engine, item: BatchRequest, limits: validation.Limits) -> Request:
+    def _submit(engine: Engine, item: BatchRequest, limits: validation.Limits, model: str, created: int) -> Line:
+        """Submits a line's samples; a line whose engine submission fails halfway cancels what it submitted."""
         ids = item.prompt_ids(engine.tokenizer, limits)
         params = item.params(limits)
         validation.fits(len(ids), params, limits)
-        return engine.submit(ids, params)
+        requests: list[Request] = []
+        try:
+            for child in params.children():
+                requests.append(engine.submit(ids, child))
+        except Exception:
+            for r in requests:
+                engine.cancel(r.request_id)
+                engine.close_outbox(r.request_id)
+            raise
+        return Line(item, requests, result_formatter(item, ids, engine.tokenizer, model=model, created=created),
+                    len(requests))
 
     def close(self) -> None:
         self.results.close()

@@ -186,6 +186,45 @@ class Frontend:
             engine.close_outbox(engine_id)
             self.end(engine_id)
 
+    async def generate_many(self, children: Sequence[tuple[list[int], SamplingParams]], *, priority: int = 0,
+                            timeout: float | None = None) -> AsyncGenerator[tuple[int, Request, Update], None]:
+        """Streams several requests together (the n samples of a prompt, or several prompts): (index into
+        `children`, request, update) as they come, until every one has finished. The first failure (Refused, Ended,
+        InputError) is raised and cancels the others, as closing the iterator does. Each child waits for its update
+        to be taken before it reads the next, so a slow reader still holds each request's output in its own buffer
+        (stream_buffer_tokens) and its place in flight."""
+        if len(children) == 1:
+            async with contextlib.aclosing(self.generate(*children[0], priority=priority, timeout=timeout)) as one:
+                async for request, update in one:
+                    yield 0, request, update
+            return
+        events: asyncio.Queue[tuple[int, Any, Any]] = asyncio.Queue(maxsize=1)
+
+        async def child(index: int, ids: list[int], params: SamplingParams) -> None:
+            try:
+                async with contextlib.aclosing(self.generate(ids, params, priority=priority, timeout=timeout)) as stream:
+                    async for request, update in stream:
+                        await events.put((index, request, update))
+            except (Refused, Ended, InputError) as e:
+                await events.put((index, None, e))
+            finally:
+                await events.put((index, None, None))  # this child is done
+
+        tasks = [asyncio.create_task(child(i, ids, params)) for i, (ids, params) in enumerate(children)]
+        try:
+            left = len(tasks)
+            while left:
+                index, request, update = await events.get()
+                if request is None and update is None:
+                    left -= 1
+                elif request is None:
+                    raise update
+                else:
+                    yield index, request, update
+        finally:
+            for task in tasks:
+                task.cancel()
+
     def end(self, engine_id: str) -> None:
         """Frees a stream's place and its admission now (a surface calls this before it waits on a client that
         may never read again)."""

@@ -84,6 +84,15 @@ class Metrics:
         """Reports this engine's gauges from now on."""
         self._engine.engine = engine
 
+    def count(self, request: Request, update: Any, *, first: bool) -> None:
+        """Counts an update of a stream's: its tokens, the first token's times (`first`: none came before), and the
+        request's latencies once it finished."""
+        if first and update.token_ids:
+            self.first_token(request)
+        self.generation_tokens.inc(len(update.token_ids))
+        if update.finish_reason is not None:
+            self.finished(request)
+
     def first_token(self, request: Request) -> None:
         """Observes time to first token and queue time once the first token has been sampled."""
         self.ttft.observe(request.token_times[0] - request.submitted_at)

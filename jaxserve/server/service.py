@@ -84,26 +84,25 @@ class InferenceServicer:
             params = _sampling(request, limits)
             ids = await self._prompt_ids(request)
             validation.fits(len(ids), params, limits, "sampling.max_tokens")
-            first, reply_id = True, ""
-            stream = self.front.generate(ids, params, priority=request.priority, timeout=context.time_remaining())
-            async with contextlib.aclosing(stream):  # closed at once when the call ends early: frees its slot
-                async for submitted, update in stream:
-                    if not reply_id:  # (submitted: its prompt tokens count from here)
+            reply_id, seen = "", set()
+            stream = self.front.generate_many([(ids, child) for child in params.children()], priority=request.priority,
+                                              timeout=context.time_remaining())
+            async with contextlib.aclosing(stream):  # closed at once when the call ends early: frees its slots
+                async for index, submitted, update in stream:
+                    if not reply_id:  # (submitted: its prompt tokens count from here, once for its n samples)
                         reply_id = caller_id or submitted.request_id
                         self.metrics.prompt_tokens.inc(len(ids))
+                    self.metrics.count(submitted, update, first=index not in seen)
                     if update.token_ids:
-                        if first:
-                            self.metrics.first_token(submitted)
-                            first = False
-                        self.metrics.generation_tokens.inc(len(update.token_ids))
-                        await self._write(context, pb.GenerateResponse(request_id=reply_id, chunk=_chunk(update)),
+                        seen.add(index)
+                        await self._write(context, pb.GenerateResponse(request_id=reply_id, chunk=_chunk(update, index, ids)),
                                           submitted.request_id)
                     if update.finish_reason is not None:
-                        self.metrics.finished(submitted)
                         usage = pb.Usage(prompt_tokens=len(submitted.prompt_ids),
                                          completion_tokens=len(submitted.output_ids), cached_tokens=submitted.cached_tokens)
                         await self._write(context, pb.GenerateResponse(request_id=reply_id, completion=pb.Completion(
-                            finish_reason=_FINISH_REASONS[update.finish_reason], usage=usage)), submitted.request_id)
+                            finish_reason=_FINISH_REASONS[update.finish_reason], usage=usage, index=index)),
+                            submitted.request_id)
         except InputError as e:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Refused as e:
@@ -173,12 +172,18 @@ class InferenceServicer:
 def _sampling(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
     s = request.sampling
     names = {key: f"sampling.{key}" for key in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-                                                 "stop_token_ids", "ignore_eos", "logprobs")}
+                                                 "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty",
+                                                 "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                                                 "min_tokens", "n", "prompt_logprobs")}
     return validation.sampling(limits, max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
                                temperature=s.temperature, top_k=s.top_k,
                                top_p=s.top_p if s.HasField("top_p") else 1.0, seed=s.seed, stop=list(s.stop),
                                stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-                               names=names)
+                               presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                               repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+                               min_p=s.min_p, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
+                               n=s.n if s.HasField("n") else 1,
+                               prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, names=names)
 
 
 async def _parse(raw: bytes, message: type[M], context: grpc.aio.ServicerContext) -> M:
@@ -189,11 +194,13 @@ async def _parse(raw: bytes, message: type[M], context: grpc.aio.ServicerContext
                      f"the request is not a valid {message.__name__} ({e}); every string field must be UTF-8")
 
 
-def _chunk(update: Update) -> pb.Chunk:
-    logprobs = [pb.TokenLogprobs(token_id=token, logprob=chosen,
-                                 top=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in top])
-                for token, (chosen, top) in zip(update.token_ids, update.logprobs)]
-    return pb.Chunk(text=update.text, token_ids=update.token_ids, logprobs=logprobs)
+def _chunk(update: Update, index: int, prompt_ids: list[int]) -> pb.Chunk:
+    def entry(token: int, chosen: float, top: list[tuple[int, float]]) -> pb.TokenLogprobs:
+        return pb.TokenLogprobs(token_id=token, logprob=chosen, top=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in top])
+
+    logprobs = [entry(token, chosen, top) for token, (chosen, top) in zip(update.token_ids, update.logprobs)]
+    prompt = [entry(token, *e) for token, e in zip(prompt_ids[1:], (update.prompt_logprobs or [None])[1:]) if e]
+    return pb.Chunk(text=update.text, token_ids=update.token_ids, logprobs=logprobs, index=index, prompt_logprobs=prompt)
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
