@@ -201,7 +201,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--client-processes", type=int, default=8)
-    ap.add_argument("--parts", default="start,load", help="start (cold and warm start-up), load (gRPC against bench)")
+    ap.add_argument("--parts", default="start,load,sampling",
+                    help="start (cold and warm start-up), load (gRPC and HTTP against bench), sampling (bench's decode "
+                         "step with penalties, min_p and logit_bias on every row against greedy rows)")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary directory)")
     ap.add_argument("--out", default="benchmarks/results/serve_gpu.jsonl")
     args = ap.parse_args()
@@ -222,6 +224,19 @@ def main() -> None:
         yaml.safe_dump(cfg, f)
     base = {"config": args.config, "model": args.model}
     rows = []  # recorded at the end: recording asks JAX for the device, which would take the GPU's memory
+
+    def bench(requests: int, input_len: int, output_len: int, flags: tuple[str, ...] = ()) -> dict:
+        """`jaxserve bench --config` (the in-process engine of the served config): its JSON result."""
+        model = [] if args.model == "embedded" else ["--model", args.model]
+        done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--config", config, *model,
+                               "--num-requests", str(requests), "--input-len", str(input_len),
+                               "--output-len", str(output_len), "--json", *flags], cwd=REPO, env=ENV,
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise SystemExit(f"jaxserve bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"bench {' '.join(flags[:10])}: {result}", flush=True)
+        return result
 
     def row(name: str, config: dict, metric: str, value: float, unit: str, *baseline, higher_is_better=True) -> None:
         rows.append(((name, {**base, **config}, metric, value, unit, *baseline), higher_is_better))
@@ -261,15 +276,7 @@ def main() -> None:
         over_http = grpc_load(base_url, http_prompts, args.output_len, args.client_processes, http_client_process)
         code, exit_s = server.terminate()
         print(f"HTTP: {over_http}; exit {code} after {exit_s:.1f} s", flush=True)
-        model = [] if args.model == "embedded" else ["--model", args.model]
-        bench = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--config", config, *model,
-                                "--num-requests", str(args.clients), "--input-len", str(args.input_len),
-                                "--output-len", str(args.output_len), "--json"], cwd=REPO, env=ENV,
-                               capture_output=True, text=True, timeout=1800)
-        if bench.returncode:
-            raise SystemExit(f"jaxserve bench failed:\n{bench.stdout[-3000:]}\n{bench.stderr[-6000:]}")
-        in_process = json.loads(bench.stdout.strip().splitlines()[-1])
-        print(f"bench: {in_process}", flush=True)
+        in_process = bench(args.clients, args.input_len, args.output_len)
         load = {"clients": args.clients, "input_len": args.input_len, "output_len": args.output_len,
                 "client_processes": args.client_processes, "transport": "gRPC over loopback"}
         baseline = f"jaxserve bench --config (in-process engine), {args.clients} requests"
@@ -283,6 +290,17 @@ def main() -> None:
             row("serve_http_load", http_load, metric, over_http[metric], "tok/s" if metric.endswith("per_s") else "s",
                 "the same load over gRPC, same server and run", over_grpc[metric],
                 higher_is_better=metric.endswith("per_s"))
+    if "sampling" in parts:  # 64 rows decoding together (the config's max_slots)
+        greedy = bench(64, 512, 256)
+        flags = ["--temperature", "1.0", "--min-p", "0.05", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+                 "--repetition-penalty", "1.1", *[x for t in range(0, 3000, 10) for x in ("--logit-bias", f"{t}=0.5")]]
+        sampled = bench(64, 512, 256, flags)
+        load = {"requests": 64, "input_len": 512, "output_len": 256, "sampling": " ".join(flags[:10]) +
+                " and 300 logit_bias entries on every row"}
+        row("sampling_decode", load, "itl_p50_s", sampled["itl_p50_s"], "s", "greedy rows, same run",
+            greedy["itl_p50_s"], higher_is_better=False)
+        row("sampling_decode", load, "output_tokens_per_s", sampled["output_tokens_per_s"], "tok/s",
+            "greedy rows, same run", greedy["output_tokens_per_s"])
     for fields, higher_is_better in rows:
         print(json.dumps(record(args.out, *fields, higher_is_better=higher_is_better)), flush=True)
 
