@@ -107,3 +107,25 @@ def test_info_json_reports_the_architecture_and_its_switches(tmp_path):
     assert info["switches"] == {"sliding_window": WINDOW, "local_layers": [0], "activation": "gelu_tanh",
                                 "embed_scale": True, "sandwich_norm": True, "query_pre_attn_scalar": 24.0,
                                 "attn_softcap": 0.5, "final_softcap": 0.4}
+
+
+@pytest.mark.parametrize("width", [1, 24], ids=["decode", "prefill"])
+def test_the_model_attention_passes_its_spec_to_the_kernels(width):
+    """The model's one attention call (jaxserve.model.attention.attend) with a layer's scale, soft-cap and window:
+    the interpreted Mosaic GPU kernels (decode, and a prefill chunk after 40 cached positions) give XLA's output."""
+    import jax.numpy as jnp
+
+    from jaxserve.model.attention import AttentionSpec, attend
+
+    spec = AttentionSpec(sm_scale=0.3, softcap=0.8, window=WINDOW + 3)
+    rng = np.random.default_rng(width)
+    q = jnp.asarray(rng.standard_normal((2, width, 4, 64), np.float32))
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((2, 6, 16, 64), np.float32)) for _ in range(2))
+    table = jnp.asarray([[0, 1, 2, 3], [4, 5, 3, 2]], jnp.int32)
+    positions = jnp.asarray(40 + np.arange(width)[None].repeat(2, 0), jnp.int32)
+    valid = jnp.ones((2, width), bool)
+    xla = attend(q, k_pages, v_pages, table, positions, valid, backend="reference", spec=spec)
+    kernels = attend(q, k_pages, v_pages, table, positions, valid, backend="mosaic_gpu", spec=spec)
+    assert float(jnp.max(jnp.abs(kernels - xla))) < 0.05  # the kernel's bfloat16 operands
+    plain = attend(q, k_pages, v_pages, table, positions, valid, backend="reference")
+    assert float(jnp.max(jnp.abs(plain - xla))) > 0.2

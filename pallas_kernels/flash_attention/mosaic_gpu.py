@@ -9,6 +9,9 @@ p·v, and computes the next block's softmax while p·v runs. K/V come either fro
 straight from KV pages through the page table.
 In the block that crosses a row's length, V's rows past it are zeroed in shared memory before
 P·V, so stale page contents (even NaN) never reach the output.
+With a sliding window a program starts at the first block any of its queries sees (the blocks wholly
+behind the window are neither copied nor computed), and masks the blocks the window's edge crosses;
+a soft-cap squashes the scores (cap · tanh(s · scale / cap)) before any mask.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention.reference import window_blocks
 
 ROWS = 64  # query rows per compute warpgroup: the wgmma M
 COMPUTE_WGS = 2
@@ -159,24 +163,35 @@ def converted(tile: Any, stage: Any, free: Any, *, interpreted: bool, rows: int 
     return stage
 
 
-def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool) -> None:
-    """Zeroes rows `first`.. of a [block_k, hd] SMEM tile of V and makes the writes visible to wgmma.
+def zero_rows_from(tile_ref: Any, first: jax.Array, *, interpreted: bool, below: Any = None) -> None:
+    """Zeroes rows `first`.. of a [block_k, hd] SMEM tile of V (and with `below`, the rows before it) and makes the
+    writes visible to wgmma.
 
-    Those rows hold keys at or past the row's length: stale page contents, maybe NaN, which a zero
-    probability would not cancel (0 × NaN is NaN). Only the block that crosses the length needs it.
+    Those rows hold keys at or past the row's length (or behind every query's sliding window): stale page
+    contents, maybe NaN, which a zero probability would not cancel (0 × NaN is NaN). Only the block that
+    crosses the length (or the window's edge) needs it.
     """
     rows, hd = tile_ref.shape
     for r in range(0, rows, ROWS):
         part = tile_ref.at[pl.ds(r, ROWS)]
         row = r + with_layout(lax.broadcasted_iota(jnp.int32, (ROWS, hd), 0), plgpu.Layout.WGMMA,
                               interpreted=interpreted)
-        part[...] = jnp.where(row < first, part[...], jnp.zeros((), part.dtype))
+        keep = row < first if below is None else (row < first) & (row >= below)
+        part[...] = jnp.where(keep, part[...], jnp.zeros((), part.dtype))
     plgpu.commit_smem()
 
 
+def softcapped(s, softcap: float | None, scale: float):
+    """(scores, factor of the base-2 softmax): raw scores and scale·log2(e), or softcap·tanh(s·scale/softcap) and
+    log2(e)."""
+    if softcap is None:
+        return s, scale * _LOG2E
+    return softcap * jnp.tanh(s * (scale / softcap)), _LOG2E
+
+
 def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_smem, k_smem, v_smem, *refs,
-            paged: bool, causal: bool, scale: float, group: int, bs: BlockSizes, num_qt: int, kv_heads: int,
-            interleave: int, staged: bool, interpreted: bool):
+            paged: bool, causal: bool, scale: float, softcap: float | None, window: int | None, group: int,
+            bs: BlockSizes, num_qt: int, kv_heads: int, interleave: int, staged: bool, interpreted: bool):
     # q_ref: [b, q_len, heads, hd]; k_ref, v_ref: [b, kv_len, kv_heads, hd] or [kv_heads, pages, ps, hd]
     # table_ref: [b, pages_per_row]; q_start_ref, kv_len_ref: [b]; o_ref like q_ref
     # With 8-bit pages (`staged`) each compute warpgroup converts the ring's tiles into its own k_stage and
@@ -198,6 +213,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
     lo = jnp.minimum(kv_len, q_start + q0 + 1) if causal else kv_len
     num_full = jnp.clip(lo // bk, 0, num_blocks)
     n = jnp.maximum(num_blocks, 1)  # a row with no keys still runs one block, all masked, so the loop has a start
+    # blocks j0 .. n - 1 run (ring position j - j0); those below lo_full cross the window's lower edge
+    j0, lo_full = window_blocks(q_start + q0, q_start + q0 + block_q - 1, window, bk, n)
+    behind = 0 if window is None else q_start + q0 - window + 1  # keys before it are behind every query's window
 
     seg = min(ROWS, block_q)  # rows of one (head, positions) run inside a warpgroup's 64
 
@@ -227,30 +245,30 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
         plgpu.set_max_registers(40, action="decrease")
 
         def step(j, carry):
-            slot = lax.rem(j, stages)
+            slot = lax.rem(j - j0, stages)
 
-            @pl.when(j >= stages)
+            @pl.when(j - j0 >= stages)
             def _():
                 plgpu.barrier_wait(k_free.at[slot])
 
             fetch(k_ref, k_smem.at[slot], k_bar.at[slot], j)
 
-            @pl.when(j >= stages)
+            @pl.when(j - j0 >= stages)
             def _():
                 plgpu.barrier_wait(v_free.at[slot])
 
             fetch(v_ref, v_smem.at[slot], v_bar.at[slot], j)
             return carry
 
-        lax.fori_loop(0, n, step, None)
+        lax.fori_loop(j0, n, step, None)
 
         def drain(j, carry):  # every completion of a barrier is awaited before the kernel ends
-            slot = lax.rem(j, stages)
+            slot = lax.rem(j - j0, stages)
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
             return carry
 
-        lax.fori_loop(jnp.maximum(n - stages, 0), n, drain, None)
+        lax.fori_loop(jnp.maximum(n - stages, j0), n, drain, None)
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute():
@@ -270,10 +288,16 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
             visible = k_pos < kv_len
             if causal:
                 visible = visible & (k_pos <= q_pos)
+            if window is not None:
+                visible = visible & (k_pos > q_pos - window)
             return jnp.where(visible, s, -jnp.inf)
 
+        def scores(s, j, masked):
+            s, _ = softcapped(s, softcap, scale)
+            return mask(s, j) if masked else s
+
         def softmax(s, m, denom):
-            p, m, denom, alpha = online_softmax(s, m, denom, scale * _LOG2E)
+            p, m, denom, alpha = online_softmax(s, m, denom, softcapped(s, softcap, scale)[1])
             return m, denom, p, alpha
 
         def operand(ring, stage, free):
@@ -286,7 +310,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
         # Block 0's scores, then for each next block: its q·kᵀ and this block's p·v go to the tensor
         # cores together, and the next block's softmax runs while p·v is still in flight.
         plgpu.barrier_wait(k_bar.at[0])
-        s0 = mask(mma_transposed(q_tile, operand(k_smem.at[0], k_stage, k_free.at[0]), interpreted=interpreted), 0)
+        s0 = scores(mma_transposed(q_tile, operand(k_smem.at[0], k_stage, k_free.at[0]), interpreted=interpreted), j0,
+                    True)
         release(k_free.at[0])
         hd = q_smem.shape[-1]
         m, denom, p, _ = softmax(s0, row_vec(jnp.full((ROWS,), _NEG, jnp.float32)),
@@ -297,15 +322,17 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
 
         def step(j, carry, *, masked: bool):
             m, denom, p, acc = carry
-            slot, nslot = lax.rem(j, stages), lax.rem(j + 1, stages)
+            slot, nslot = lax.rem(j - j0, stages), lax.rem(j + 1 - j0, stages)
             plgpu.barrier_wait(k_bar.at[nslot])
             k_tile = operand(k_smem.at[nslot], k_stage, k_free.at[nslot])
             plgpu.barrier_wait(v_bar.at[slot])
             v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
+            if window is not None:  # the first block: its keys behind every window may be another request's NaN
+                pl.when(j == j0)(lambda: zero_rows_from(v_tile, bk, below=behind - j * bk, interpreted=interpreted))
 
             def scores_ready(s):
                 release(k_free.at[nslot])
-                return softmax(mask(s, j + 1) if masked else s, m, denom)
+                return softmax(scores(s, j + 1, masked), m, denom)
 
             # The next p stays float32 until p·v is done: a wgmma's register operand must not be
             # written while one is in flight (ptxas would serialize every wgmma of the kernel).
@@ -314,18 +341,22 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, q_start_ref, kv_len_ref, o_ref, q_sm
             release(v_free.at[slot])
             return m, denom, p.astype(q_smem.dtype), acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-        last_full = jnp.maximum(num_full - 1, 0)  # steps before it compute an unmasked next block
-        carry = lax.fori_loop(0, last_full, functools.partial(step, masked=False), (m, denom, p, acc))
+        # step j computes block j + 1's scores: masked below lo_full (the window's edge) and from num_full on
+        edge = jnp.clip(lo_full - 1, j0, n - 1)
+        last_full = jnp.clip(num_full - 1, edge, n - 1)
+        carry = lax.fori_loop(j0, edge, functools.partial(step, masked=True), (m, denom, p, acc))
+        carry = lax.fori_loop(edge, last_full, functools.partial(step, masked=False), carry)
         m, denom, p, acc = lax.fori_loop(last_full, n - 1, functools.partial(step, masked=True), carry)
-        slot = lax.rem(n - 1, stages)
+        slot = lax.rem(n - 1 - j0, stages)
         plgpu.barrier_wait(v_bar.at[slot])
         v_tile = operand(v_smem.at[slot], v_stage, v_free.at[slot])
 
         # Unstaged, both compute warpgroups zero the same rows: they write identical values, so neither
         # can observe anything but V or zeros after its own writes. Only the last block crosses kv_len.
-        @pl.when(n * bk > kv_len)
+        @pl.when((n * bk > kv_len) | (behind > (n - 1) * bk))
         def _():
-            zero_rows_from(v_tile, kv_len - (n - 1) * bk, interpreted=interpreted)
+            zero_rows_from(v_tile, kv_len - (n - 1) * bk, below=None if window is None else behind - (n - 1) * bk,
+                           interpreted=interpreted)
 
         acc = mma_accumulate(acc, p, v_tile, interpreted=interpreted)
         release(v_free.at[slot])
@@ -386,8 +417,8 @@ def _check(q, k_shape, bs: BlockSizes, kv_len_name: str):
     return b, t, h, hd, kv, group
 
 
-def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, bs: BlockSizes, interpret,
-          dense_start: int | None = None):
+def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scale, softcap, window, bs: BlockSizes,
+          interpret, dense_start: int | None = None):
     b, t, h, hd, kv, group = _check(q, k.shape, bs, "pages" if paged else "dense")
     dtype, kv_dtype = operand_dtypes(q.dtype, k.dtype, v.dtype, hd)
     staged = kv_dtype != dtype
@@ -416,8 +447,9 @@ def _call(q, k, v, table, q_start, kv_len, *, paged: bool, causal: bool, sm_scal
     grid, grid_names = ((units // interleave, num_qt, interleave), ("units", "qt", "interleaved")) if interleave > 1 \
         else ((units, num_qt), ("units", "qt"))  # the last axis varies fastest
     kernel = plgpu.kernel(
-        functools.partial(_kernel, paged=paged, causal=causal, scale=scale, group=group, bs=bs, num_qt=num_qt,
-                          kv_heads=kv, interleave=interleave, staged=staged, interpreted=params is not None),
+        functools.partial(_kernel, paged=paged, causal=causal, scale=scale, softcap=softcap, window=window, group=group,
+                          bs=bs, num_qt=num_qt, kv_heads=kv, interleave=interleave, staged=staged,
+                          interpreted=params is not None),
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=(
             plgpu.SMEM((COMPUTE_WGS, ROWS, hd), dtype, transforms=tr),
@@ -464,8 +496,6 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
                     window: int | None = None, block_sizes: BlockSizes | None = None,
                     interpret: bool | None = None) -> jax.Array:
     """Dense flash attention (see reference.flash_attention); q_len and kv_len tile by the blocks."""
-    if softcap is not None or window is not None:
-        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     b, t, h, _ = q.shape
     s = k.shape[1]
     bs = block_sizes or default_block_sizes(h // k.shape[2], t)
@@ -474,8 +504,8 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     q_start = jnp.full((b,), s - t if causal else 0, jnp.int32)
     kv_len = jnp.full((b,), s, jnp.int32)
     table = jnp.zeros((b, 1), jnp.int32)
-    out = _call(q, k, v, table, q_start, kv_len, paged=False, causal=causal, sm_scale=sm_scale, bs=bs,
-                interpret=interpret, dense_start=s - t if causal else 0)
+    out = _call(q, k, v, table, q_start, kv_len, paged=False, causal=causal, sm_scale=sm_scale, softcap=softcap,
+                window=window, bs=bs, interpret=interpret, dense_start=s - t if causal else 0)
     return out.astype(q.dtype)
 
 
@@ -483,13 +513,12 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, 
                           sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                           block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Prefill chunk over K/V pages (see reference.paged_flash_attention), read page by page by TMA."""
-    if softcap is not None or window is not None:
-        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     h = q.shape[2]
     bs = block_sizes or default_block_sizes(h // k_pages.shape[0], q.shape[1])
     ps = k_pages.shape[2]
     if block_sizes is None and ps > bs.block_k:
         bs = dataclasses.replace(bs, block_k=math.gcd(ps, 128) if ps % 128 else 128)
     out = _call(q, k_pages, v_pages, page_table.astype(jnp.int32), q_start.astype(jnp.int32),
-                kv_lengths.astype(jnp.int32), paged=True, causal=causal, sm_scale=sm_scale, bs=bs, interpret=interpret)
+                kv_lengths.astype(jnp.int32), paged=True, causal=causal, sm_scale=sm_scale, softcap=softcap, window=window,
+                bs=bs, interpret=interpret)
     return out.astype(q.dtype)

@@ -6,7 +6,9 @@ head-major. K and V stay in HBM; blocks of `block_k` keys are copied from the pa
 page-table entries name (the table is prefetched into SMEM) into two VMEM buffers, the next block's
 copies in flight while this one is computed. Dense K/V are viewed as pages of `block_k` keys. The
 softmax is online, in float32. Keys at or past a row's length are masked in the scores and zeroed
-in V, so whatever stale pages hold (NaN included) never reaches the output.
+in V, so whatever stale pages hold (NaN included) never reaches the output. With a sliding window a
+program starts at the first block its queries see (blocks wholly behind the window are not copied)
+and masks the blocks the window's edge crosses; a soft-cap squashes the scores before any mask.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import backend as backend_lib
+from pallas_kernels.flash_attention.reference import softcapped, window_blocks
 
 _NEG = -1e30  # a finite -inf, so rows that see no key never compute inf - inf
 
@@ -87,21 +90,23 @@ def page_copies(table_ref, row, kvh, pos, k_hbm, v_hbm, k_dst, v_dst, sem, *, pa
 
 
 def attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies: Callable[[Any, Any], list[Any]], *, num_full, num_blocks,
-                  kv_len, scale: float, visible: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """Online softmax of q_ref's rows over K/V blocks 0 .. num_blocks - 1, double-buffered.
+                  kv_len, scale: float, visible: Callable[[Any], Any], softcap: float | None = None, first: Any = 0,
+                  lo_full: Any = 0, kv_start: Any = 0) -> tuple[Any, Any]:
+    """Online softmax of q_ref's rows over K/V blocks first .. num_blocks - 1, double-buffered.
 
     q_ref: [rows, hd]; k_buf, v_buf: [2, block_k, hd] VMEM; acc_ref: [rows, hd] f32 VMEM scratch,
     left holding the unnormalized output. copies(j, slot): the DMAs bringing block j into buffer
-    `slot`. Blocks from num_full on are masked: scores where not visible(j) ([rows, block_k] bool),
-    and V rows at positions >= kv_len (stale page contents, maybe NaN). Returns the row max and
-    the softmax denominator, both [rows, 1] f32.
+    `slot`. Blocks below lo_full (a window's edge) and from num_full on are masked: scores where not
+    visible(j) ([rows, block_k] bool), and V rows at positions outside [kv_start, kv_len) (stale page
+    contents, maybe NaN). Scores are soft-capped before masking. Returns the row max and the softmax
+    denominator, both [rows, 1] f32.
     """
     rows, bk = q_ref.shape[0], k_buf.shape[1]
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
-    @pl.when(num_blocks > 0)
+    @pl.when(num_blocks > first)
     def _():
-        for c in copies(0, 0):
+        for c in copies(first, lax.rem(first, 2)):
             c.start()
 
     def step(j, carry, *, masked: bool):
@@ -116,12 +121,12 @@ def attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies: Callable[[Any, Any], lis
         for c in copies(j, slot):
             c.wait()
         k, v = k_buf[slot], v_buf[slot]
-        s = lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * scale
+        s = softcapped(lax.dot_general(q_ref[...], k, (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32) * scale, softcap)
         if masked:
             s = jnp.where(visible(j), s, -jnp.inf)
-            written = j * bk + lax.broadcasted_iota(jnp.int32, v.shape, 0) < kv_len
-            v = jnp.where(written, v, jnp.zeros_like(v))
+            pos = j * bk + lax.broadcasted_iota(jnp.int32, v.shape, 0)
+            v = jnp.where((pos >= kv_start) & (pos < kv_len), v, jnp.zeros_like(v))
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new)
@@ -132,12 +137,16 @@ def attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies: Callable[[Any, Any], lis
 
     acc_ref[...] = jnp.zeros_like(acc_ref)
     carry = (jnp.full((rows, 1), _NEG, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
-    carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), carry)
-    return lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
+    edge = jnp.clip(lo_full, first, jnp.maximum(num_blocks, first))
+    full = jnp.clip(num_full, edge, jnp.maximum(num_blocks, edge))
+    carry = lax.fori_loop(first, edge, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(edge, full, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full, num_blocks, functools.partial(step, masked=True), carry)
 
 
 def _kernel(table_ref, q_start_ref, kv_len_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, acc_ref, *,
-            causal: bool, scale: float, group: int, block_q: int, pages_per_row: int):
+            causal: bool, scale: float, softcap: float | None, window: int | None, group: int, block_q: int,
+            pages_per_row: int):
     # table_ref: [b * pages_per_row], q_start_ref, kv_len_ref: [b] (SMEM)
     # q_ref, o_ref: [group * block_q, hd], row g * block_q + i = head kvh * group + g at position q0 + i
     # k_hbm, v_hbm: [kv_heads, num_pages, page_size, hd] (HBM); k_buf, v_buf: [2, block_k, hd]; sem: DMA [2]
@@ -159,19 +168,23 @@ def _kernel(table_ref, q_start_ref, kv_len_ref, q_ref, k_hbm, v_hbm, o_ref, k_bu
         shape = (group * block_q, bk)
         k_pos = j * bk + lax.broadcasted_iota(jnp.int32, shape, 1)
         seen = k_pos < kv_len
+        pos = lax.broadcasted_iota(jnp.int32, (block_q, bk), 0)
+        q_pos = q0 + (jnp.concatenate([pos] * group, axis=0) if group > 1 else pos)
         if causal:
-            pos = lax.broadcasted_iota(jnp.int32, (block_q, bk), 0)
-            q_pos = q0 + (jnp.concatenate([pos] * group, axis=0) if group > 1 else pos)
             seen = seen & (k_pos <= q_pos)
+        if window is not None:
+            seen = seen & (k_pos > q_pos - window)
         return seen
 
+    first, lo_full = window_blocks(q0, q0 + block_q - 1, window, bk, jnp.maximum(num_blocks, 1))
     _, denom = attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies, num_full=num_full, num_blocks=num_blocks,
-                         kv_len=kv_len, scale=scale, visible=visible)
+                             kv_len=kv_len, scale=scale, visible=visible, softcap=softcap, first=first,
+                             lo_full=lo_full, kv_start=0 if window is None else q0 - window + 1)
     o_ref[...] = (acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _call(q, k_pages, v_pages, table, q_start, kv_len, *, causal: bool, sm_scale, block_q: int, block_k: int,
-          interpret):
+def _call(q, k_pages, v_pages, table, q_start, kv_len, *, causal: bool, sm_scale, softcap, window, block_q: int,
+          block_k: int, interpret):
     b, t, h, hd = q.shape
     kv, _, ps, _ = k_pages.shape
     group = h // kv
@@ -187,8 +200,8 @@ def _call(q, k_pages, v_pages, table, q_start, kv_len, *, causal: bool, sm_scale
     tile = pl.BlockSpec((None, None, rows, hd), lambda bi, kvh, qi, *_: (bi, kvh, qi, 0))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = pl.pallas_call(
-        functools.partial(_kernel, causal=causal, scale=scale, group=group, block_q=block_q,
-                          pages_per_row=pages_per_row),
+        functools.partial(_kernel, causal=causal, scale=scale, softcap=softcap, window=window, group=group,
+                          block_q=block_q, pages_per_row=pages_per_row),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(b, kv, num_qt),
@@ -228,8 +241,6 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
                     window: int | None = None, block_sizes: BlockSizes | None = None,
                     interpret: bool | None = None) -> jax.Array:
     """Dense flash attention (see reference.flash_attention): K/V transposed once into pages of block_k keys."""
-    if softcap is not None or window is not None:
-        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     bs = block_sizes or BlockSizes()
     b, t, h, hd = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -243,18 +254,18 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     table = jnp.arange(b * (s // bk), dtype=jnp.int32).reshape(b, s // bk)
     q_start = jnp.full((b,), s - t if causal else 0, jnp.int32)
     return _call(q, as_pages(k), as_pages(v), table, q_start, jnp.full((b,), s, jnp.int32), causal=causal,
-                 sm_scale=sm_scale, block_q=default_block_q(t, h // kv, bs.block_q), block_k=bk, interpret=interpret)
+                 sm_scale=sm_scale, softcap=softcap, window=window, block_q=default_block_q(t, h // kv, bs.block_q),
+                 block_k=bk, interpret=interpret)
 
 
 def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, *, causal: bool = True,
                           sm_scale: float | None = None, softcap: float | None = None, window: int | None = None,
                           block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Prefill chunk over K/V pages (see reference.paged_flash_attention), pages copied by DMA, never gathered."""
-    if softcap is not None or window is not None:
-        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     bs = block_sizes or BlockSizes()
     kv, _, ps, _ = k_pages.shape
     block_k = bs.block_k or default_block_k(ps, page_table.shape[1], 128)
     return _call(q, k_pages, v_pages, page_table, q_start, kv_lengths, causal=causal, sm_scale=sm_scale,
+                 softcap=softcap, window=window,
                  block_q=default_block_q(q.shape[1], q.shape[2] // kv, bs.block_q), block_k=block_k,
                  interpret=interpret)

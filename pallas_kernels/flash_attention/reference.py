@@ -55,6 +55,16 @@ def attend(
     return out.reshape(b, t, h, hd).astype(q.dtype)
 
 
+def window_blocks(first_pos: Any, last_pos: Any, window: int | None, bk: int, n: Any) -> tuple[Any, Any]:
+    """For the kernels: (first block any query sees, first block wholly inside every query's window) of queries at
+    positions first_pos .. last_pos over K/V blocks of bk keys, n of them; (0, 0) without a window. The first block
+    is at most n - 1, so a program always has a block to run."""
+    if window is None:
+        return 0, 0
+    first = jnp.minimum(jnp.maximum(first_pos - window + 1, 0) // bk, n - 1)
+    return first, jnp.maximum(last_pos - window + 1 + bk - 1, 0) // bk
+
+
 def softcapped(scores: jax.Array, softcap: float | None) -> jax.Array:
     """softcap * tanh(scores / softcap), or the scores as they are without a cap."""
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)

@@ -13,6 +13,10 @@ around the kernel unless batch * heads is not a multiple of 8.
 With several splits, each writes a float32 partial and its log-sum-exp, combined afterwards.
 In the block that crosses a slot's length, V's rows past it are zeroed in shared memory before
 P·V, so stale page contents (even NaN) never reach the output.
+With a sliding window each split starts at its first block inside the slot's window (a split wholly behind it
+runs no block and weighs nothing in the combine), and the block the window's edge crosses is masked, its V
+rows behind the window zeroed too (a page released behind the window may hold another request's values);
+a soft-cap squashes the scores before any mask.
 float8_e4m3fn pages travel 8-bit into the ring and become float16 tensor-core operands in shared
 memory; by default a third warpgroup does that conversion one block ahead of the compute warpgroup
 (`BlockSizes.convert_warpgroup`, `float8_block_sizes`).
@@ -42,12 +46,12 @@ from pallas_kernels.flash_attention.mosaic_gpu import (
     online_softmax,
     operand_dtypes,
     reads_float8_pages,  # noqa: F401  (this backend's answer to paged_attention.reads_float8_pages)
+    softcapped,
     with_layout,
     zero_rows_from,
 )
 from pallas_kernels.paged_attention.reference import combine_splits
 
-_LOG2E = math.log2(math.e)
 _NEG = -1e30
 QN = 16  # query rows of a transposed program: the wgmma N
 CONVERTED_TILES = 2  # float16 K (and V) tiles of a converting warpgroup: it works one block ahead
@@ -174,8 +178,9 @@ def first_row(start, total: int, rows: int, xp=jnp):
     return xp.minimum(start // 8 * 8, total - rows)
 
 
-def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group: int, rows: int,
-            split_len: int, slots: int, bs: BlockSizes, partial: bool, staged: bool, interpreted: bool):
+def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, softcap: float | None, window: int | None,
+            group: int, rows: int, split_len: int, slots: int, bs: BlockSizes, partial: bool, staged: bool,
+            interpreted: bool):
     # q_ref: [n >= b * heads, hd] the queries, head-major per slot (n a multiple of 8)
     # k_ref, v_ref: [kv_heads, pages, ps, hd]; table_ref: [b, pages_per_row]; len_ref: [b]
     # outputs: o [n, hd] or (o [b, kv_heads, splits, group, hd] f32, lse [b, kv_heads, splits, 64] f32); transposed
@@ -207,13 +212,18 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
     begin = split * split_len
 
     def slot_of(i):
-        """Batch slot of this program's i-th slot, its length and K/V blocks; past the batch: no blocks."""
+        """Batch slot of this program's i-th slot, its length, the first position its window sees, and its K/V
+        blocks in this split: the first, the end, the first wholly in the window and the end of the full ones
+        (past the batch: no blocks)."""
         b = jnp.minimum(lax.axis_index("b") * slots + i, batch - 1)
         length = jnp.where(lax.axis_index("b") * slots + i < batch, len_ref[b], 0)
         end = jnp.minimum(length, begin + split_len)
         num_blocks = jnp.maximum(end - begin + bk - 1, 0) // bk
         num_full = jnp.maximum(end - begin, 0) // bk
-        return b, length, num_blocks, num_full
+        lowest = 0 if window is None else length - window
+        first = jnp.minimum(jnp.maximum(lowest - begin, 0) // bk, num_blocks)
+        lo_full = jnp.clip((lowest - begin + bk - 1) // bk, first, num_blocks)
+        return b, length, lowest, first, num_blocks, lo_full, jnp.clip(num_full, lo_full, num_blocks)
 
     def fetch(src, dst, barrier, b, j):
         pos = begin + j * bk
@@ -230,9 +240,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         plgpu.set_max_registers(40, action="decrease")
         count = jnp.int32(0)  # blocks issued so far, over all of this program's slots: the ring position
         for i in range(slots):
-            b, _, num_blocks, _ = slot_of(i)
+            b, _, _, first, num_blocks, _, _ = slot_of(i)
 
-            def step(j, carry, b=b, base=count):
+            def step(j, carry, b=b, base=count - first):
                 c = base + j
                 slot = lax.rem(c, stages)
 
@@ -245,8 +255,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 fetch(v_ref, v_smem.at[slot], v_bar.at[slot], b, j)
                 return carry
 
-            lax.fori_loop(0, num_blocks, step, None)
-            count = count + num_blocks
+            lax.fori_loop(first, num_blocks, step, None)
+            count = count + num_blocks - first
 
         def drain(c, carry):
             slot = lax.rem(c, stages)
@@ -262,9 +272,9 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             plgpu.set_max_registers(CONVERTER_REGISTERS, action="decrease")
             count = jnp.int32(0)
             for i in range(slots):
-                _, _, num_blocks, _ = slot_of(i)
+                _, _, _, first, num_blocks, _, _ = slot_of(i)
 
-                def step(j, carry, base=count):
+                def step(j, carry, base=count - first):
                     c = base + j
                     slot, st = lax.rem(c, stages), lax.rem(c, CONVERTED_TILES)
 
@@ -280,8 +290,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                         plgpu.barrier_arrive(ready.at[st])
                     return carry
 
-                lax.fori_loop(0, num_blocks, step, None)
-                count = count + num_blocks
+                lax.fori_loop(first, num_blocks, step, None)
+                count = count + num_blocks - first
 
             def drain(c, carry):
                 plgpu.barrier_wait(k_done.at[lax.rem(c, CONVERTED_TILES)])
@@ -295,7 +305,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
         plgpu.set_max_registers(232, action="increase")
         offsets = []
         for i in range(slots):  # every query tile is requested up front
-            b, _, _, _ = slot_of(i)
+            b = slot_of(i)[0]
             start = (b * kv_heads + kvh) * group
             row0 = pl.multiple_of(first_row(start, q_ref.shape[0], rows), 8)  # TMA into 8-row tiles: aligned rows
             offsets.append((start, start - row0))
@@ -325,26 +335,29 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
                 plgpu.barrier_arrive(free.at[slot])
 
         for i in range(slots):
-            b, length, num_blocks, num_full = slot_of(i)
+            b, length, lowest, first, num_blocks, lo_full, num_full = slot_of(i)
             start, offset = offsets[i]
             q_tile = q_smem.at[i]
             plgpu.barrier_wait(q_bar.at[i])
 
-            def step(j, carry, *, masked: bool, base=count, length=length, q_tile=q_tile):
+            def step(j, carry, *, masked: bool, base=count - first, length=length, lowest=lowest, q_tile=q_tile):
                 m, denom, acc = carry
                 slot, st = lax.rem(base + j, stages), lax.rem(base + j, CONVERTED_TILES)
                 k_operand = functools.partial(operand, k_smem, k_bar, k_stage, k_free, k_ready, slot, st)
                 v_operand = functools.partial(operand, v_smem, v_bar, v_stage, v_free, v_ready, slot, st)
-                if masked:  # the block crossing the slot's length: V past it may be stale NaN
+                if masked:  # the block crossing the slot's length (or the window's edge): V outside may be stale NaN
                     v_tile = v_operand()
-                    zero_rows_from(v_tile, length - begin - j * bk, interpreted=interpreted)
+                    zero_rows_from(v_tile, length - begin - j * bk, interpreted=interpreted,
+                                   below=None if window is None else lowest - begin - j * bk)
                 # s = q·Kᵀ [64, bk], or transposed sᵀ = K·qᵀ [bk, 16]: keys along `axis`
                 s = mma_transposed(k_operand(), q_tile, interpreted=interpreted) if tr else \
                     mma_transposed(q_tile, k_operand(), interpreted=interpreted)
                 release(k_free, k_done, slot, st)
+                s, factor = softcapped(s, softcap, scale)
                 if masked:
-                    s = jnp.where(begin + j * bk + key < length, s, -jnp.inf)
-                p, m, denom, alpha = online_softmax(s, m, denom, scale * _LOG2E, axis=0 if tr else 1)
+                    pos = begin + j * bk + key
+                    s = jnp.where((pos < length) & (pos >= lowest), s, -jnp.inf)
+                p, m, denom, alpha = online_softmax(s, m, denom, factor, axis=0 if tr else 1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 if tr else 0])
                 if not masked:
                     v_tile = v_operand()
@@ -362,9 +375,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, len_ref, *refs, scale: float, group:
             m = vec(jnp.full((n_q,), _NEG, jnp.float32))
             denom = vec(jnp.full((n_q,), 0.0, jnp.float32))
             acc = wgmma(jnp.full((hd, QN) if tr else (ROWS, hd), 0.0, jnp.float32))
-            carry = lax.fori_loop(0, num_full, functools.partial(step, masked=False), (m, denom, acc))
+            carry = lax.fori_loop(first, lo_full, functools.partial(step, masked=True), (m, denom, acc))
+            carry = lax.fori_loop(lo_full, num_full, functools.partial(step, masked=False), carry)
             m, denom, acc = lax.fori_loop(num_full, num_blocks, functools.partial(step, masked=True), carry)
-            count = count + num_blocks
+            count = count + num_blocks - first
             out = acc / lax.broadcast_in_dim(jnp.where(denom == 0.0, 1.0, denom), acc.shape, [1 if tr else 0])
             o_smem.at[i][...] = out.astype(o_smem.dtype)
             if partial:
@@ -388,8 +402,6 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
                     softcap: float | None = None, window: int | None = None, block_sizes: BlockSizes | None = None,
                     interpret: bool | None = None) -> jax.Array:
     """Decode attention over pages (see reference.paged_attention), pages read by TMA, never gathered."""
-    if softcap is not None or window is not None:
-        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     b, h, hd = q.shape
     kv, _, ps, _ = k_pages.shape
     group = h // kv
@@ -463,8 +475,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         smem = (*smem, plgpu.SMEM((n_q,), jnp.float32))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = plgpu.kernel(
-        functools.partial(_kernel, scale=scale, group=group, rows=rows, split_len=split_len, slots=slots, bs=bs,
-                          partial=partial, staged=staged, interpreted=params is not None),
+        functools.partial(_kernel, scale=scale, softcap=softcap, window=window, group=group, rows=rows,
+                          split_len=split_len, slots=slots, bs=bs, partial=partial, staged=staged,
+                          interpreted=params is not None),
         out_type=out_type,
         scratch_types=(*smem, *barriers),
         grid=(-(-b // slots), kv, splits),

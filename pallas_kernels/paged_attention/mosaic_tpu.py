@@ -6,7 +6,9 @@ block from HBM through the page table (prefetched into SMEM), the next block's c
 while this one is computed, with the flash kernel's online softmax (`attend_blocks`). Each split
 writes a float32 partial and its log-sum-exp; with several splits, they are merged afterwards.
 A TensorCore runs its programs in sequence, so splits only spread a short batch over the chip's
-cores (two on a megacore chip).
+cores (two on a megacore chip). With a sliding window a split starts at its first block inside the
+slot's window (one wholly behind it copies nothing and weighs nothing in the merge); the block the
+window's edge crosses is masked. A soft-cap squashes the scores before any mask.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def default_splits(batch: int, kv_heads: int, max_len: int, block_k: int) -> int
 
 
 def _kernel(table_ref, len_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sem, acc_ref, *,
-            scale: float, split_len: int, pages_per_row: int):
+            scale: float, softcap: float | None, window: int | None, split_len: int, pages_per_row: int):
     # table_ref: [b * pages_per_row], len_ref: [b] (SMEM)
     # q_ref: [rows, hd], row r < group = query head kvh * group + r; o_ref: [rows, hd] f32; lse_ref: [rows, 1] f32
     # k_hbm, v_hbm: [kv_heads, num_pages, page_size, hd] (HBM); k_buf, v_buf: [2, block_k, hd]; sem: DMA [2]
@@ -60,11 +62,17 @@ def _kernel(table_ref, len_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_bu
         return page_copies(table_ref, b, kvh, begin + j * bk, k_hbm, v_hbm, k_buf.at[slot], v_buf.at[slot],
                            sem.at[slot], pages_per_row=pages_per_row)
 
+    lowest = 0 if window is None else length - window  # the first position the window sees
+    first = jnp.minimum(lax.div(jnp.maximum(lowest - begin, 0), bk), num_blocks)
+    lo_full = lax.div(jnp.maximum(lowest - begin + bk - 1, 0), bk)
+
     def visible(j):
-        return begin + j * bk + lax.broadcasted_iota(jnp.int32, (q_ref.shape[0], bk), 1) < length
+        pos = begin + j * bk + lax.broadcasted_iota(jnp.int32, (q_ref.shape[0], bk), 1)
+        return (pos < length) & (pos >= lowest)
 
     m, denom = attend_blocks(q_ref, k_buf, v_buf, acc_ref, copies, num_full=lax.div(n, bk), num_blocks=num_blocks,
-                         kv_len=length - begin, scale=scale, visible=visible)
+                             kv_len=length - begin, scale=scale, visible=visible, softcap=softcap, first=first,
+                             lo_full=lo_full, kv_start=lowest - begin)
     o_ref[...] = acc_ref[...] / jnp.where(denom == 0.0, 1.0, denom)
     lse_ref[...] = m + jnp.log(denom)  # -inf for a split that saw no key
 
@@ -78,8 +86,6 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
                     softcap: float | None = None, window: int | None = None, block_sizes: BlockSizes | None = None,
                     interpret: bool | None = None) -> jax.Array:
     """Decode attention over pages (see reference.paged_attention), pages copied by DMA, never gathered."""
-    if softcap is not None or window is not None:
-        raise ValueError(f"this kernel takes no soft-cap or sliding window yet ({softcap=}, {window=}); use backend='reference'")
     bs = block_sizes or BlockSizes()
     b, h, hd = q.shape
     kv, _, ps, _ = k_pages.shape
@@ -100,7 +106,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
         q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     scale = 1.0 / math.sqrt(hd) if sm_scale is None else float(sm_scale)
     kernel = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, split_len=split_len, pages_per_row=pages_per_row),
+        functools.partial(_kernel, scale=scale, softcap=softcap, window=window, split_len=split_len,
+                          pages_per_row=pages_per_row),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, kv, splits),

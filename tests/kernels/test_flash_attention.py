@@ -66,11 +66,24 @@ class FlashSuite:
         with pytest.raises(ValueError, match="float8_e4m3fn"):
             self.check_paged_chunk(case, stale_nan=False, kv_dtype=jnp.float8_e4m3fn)
 
-    def check_paged_chunk(self, case, *, stale_nan: bool, kv_dtype=None):
+    @pytest.mark.parametrize("options", [{"window": 40}, {"window": 200}, {"softcap": 0.6}, {"window": 17, "softcap": 1.0}],
+                             ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+    def test_window_and_softcap(self, options):
+        """A chunk after a prefix of 300 tokens, in K/V blocks of 64 where the kernel takes the size: the blocks
+        wholly behind the window skipped, those its edge crosses masked (with 200, whole blocks between them);
+        soft-capped scores."""
+        case = ("bfloat16", 64, 2, True)
+        self.check_paged_chunk(case, stale_nan=True, prefix=300, block_sizes=self.small_blocks(case), **options)
+
+    def small_blocks(self, case):
+        return self.block_sizes(case)
+
+    def check_paged_chunk(self, case, *, stale_nan: bool, kv_dtype=None, prefix: int = 32, softcap=None, window=None,
+                          block_sizes=None):
         dtype, hd, group, causal = case
         rng = np.random.default_rng(hash(case) % 2**32 + 1)
         t = self.q_len(group)
-        pages_per_row = -(-(t + 32) // PAGE_SIZE)
+        pages_per_row = -(-(t + prefix) // PAGE_SIZE)
         full = pages_per_row * PAGE_SIZE
         lengths = np.array([1, PAGE_SIZE + 1, full], np.int32)
         q_start = np.array([0, 0, full - t], np.int32)
@@ -79,18 +92,20 @@ class FlashSuite:
         kp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         vp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         table = testing.random_page_table(rng, 3, pages_per_row, num_pages)
-        if stale_nan:
-            kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths)
-            vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths)
+        if stale_nan:  # with a window, also the keys behind every query's window (pages released early)
+            behind = None if window is None else q_start - window + 1
+            kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths, behind)
+            vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths, behind)
             kp, vp = jnp.asarray(kp, DTYPES[dtype]), jnp.asarray(vp, DTYPES[dtype])
         if kv_dtype is not None:
             kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_flash_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(q_start), jnp.asarray(lengths),
                                     causal=causal, backend=self.backend, interpret=self.interpret,
-                                    block_sizes=self.block_sizes(case))
+                                    block_sizes=block_sizes or self.block_sizes(case), softcap=softcap, window=window)
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
         v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
-        truth = testing.attention_truth(q.astype(jnp.float32), k, v, q_start, lengths, causal=causal)
+        truth = testing.attention_truth(q.astype(jnp.float32), k, v, q_start, lengths, causal=causal, softcap=softcap,
+                                        window=window)
         assert out.shape == q.shape
         assert np.all(np.isfinite(np.asarray(out, np.float32))), "stale page contents reached the output"
         assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, dtype)
@@ -173,6 +188,11 @@ class TestMosaicGPUInterpret(MosaicGPUOrder, InterpretSuite):
 
         return BlockSizes(heads_per_program=case[2])
 
+    def small_blocks(self, case):
+        from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes
+
+        return BlockSizes(heads_per_program=case[2], block_k=64)
+
 
 class TestMosaicTPUInterpret(InterpretSuite):
     backend = "mosaic_tpu"
@@ -218,3 +238,8 @@ class TestMosaicTPUInterpret(InterpretSuite):
 class TestMosaicGPU(MosaicGPUOrder, FlashSuite):
     backend = "mosaic_gpu"
     interpret = False
+
+    def small_blocks(self, case):
+        from pallas_kernels.flash_attention.mosaic_gpu import BlockSizes
+
+        return BlockSizes(block_k=64)

@@ -53,7 +53,20 @@ class DecodeSuite:
         with pytest.raises(ValueError, match="float8_e4m3fn"):
             self.check_ragged_slots(case, stale_nan=False, kv_dtype=jnp.float8_e4m3fn)
 
-    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None, block_sizes=SUITE_TILING):
+    @pytest.mark.parametrize("splits,options", [(1, {"window": 40}), (2, {"window": 10}), (1, {"softcap": 0.6}),
+                                                (2, {"window": 100, "softcap": 1.0})],
+                             ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()) if isinstance(o, dict) else str(o))
+    def test_window_and_softcap(self, splits, options):
+        """Ragged slots over several K/V blocks: blocks behind the window skipped (window 10 leaves the first split
+        of the full slot nothing), the block its edge crosses masked, pages behind it NaN; soft-capped scores."""
+        case = ("bfloat16", 64, 2, splits)
+        self.check_ragged_slots(case, stale_nan=True, block_sizes=self.small_blocks(case), **options)
+
+    def small_blocks(self, case):
+        return self.block_sizes(case)
+
+    def check_ragged_slots(self, case, *, stale_nan: bool, kv_dtype=None, block_sizes=SUITE_TILING, softcap=None,
+                           window=None):
         dtype, hd, group, splits = case
         rng = np.random.default_rng(hash(case) % 2**32)
         full = self.pages_per_row * PAGE_SIZE
@@ -64,18 +77,20 @@ class DecodeSuite:
         kp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         vp = testing.random_normal(rng, (self.kv_heads, num_pages, PAGE_SIZE, hd), DTYPES[dtype])
         table = testing.random_page_table(rng, b, self.pages_per_row, num_pages)
-        if stale_nan:
-            kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths)
-            vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths)
+        if stale_nan:  # with a window, also the keys behind it (pages released early)
+            behind = None if window is None else lengths - window
+            kp, table = testing.poison_unused(rng, kp.astype(jnp.float32), table, lengths, behind)
+            vp, _ = testing.poison_unused(rng, vp.astype(jnp.float32), table, lengths, behind)
             kp, vp = jnp.asarray(kp, DTYPES[dtype]), jnp.asarray(vp, DTYPES[dtype])
         if kv_dtype is not None:
             kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(lengths), backend=self.backend,
-                              interpret=self.interpret,
+                              interpret=self.interpret, softcap=softcap, window=window,
                               block_sizes=self.block_sizes(case) if block_sizes is SUITE_TILING else block_sizes)
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
         v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
-        truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False)[:, 0]
+        truth = testing.attention_truth(q.astype(jnp.float32)[:, None], k, v, lengths - 1, lengths, causal=False,
+                                        softcap=softcap, window=window)[:, 0]
         assert out.shape == q.shape and out.dtype == q.dtype
         assert np.all(np.isfinite(np.asarray(out, np.float32))), "stale page contents reached the output"
         assert np.all(np.asarray(out[3], np.float32) == 0.0), "an empty slot returns zeros"
@@ -105,6 +120,13 @@ class InterpretSuite(DecodeSuite):
 
 class MosaicGPUOptions:
     """The Mosaic GPU kernel's tiling options, run by its interpreted and its GPU suites alike."""
+
+    def small_blocks(self, case):
+        """64-token blocks, two slots a program when unsplit (the ring crossing from a slot's window into the next)."""
+        from pallas_kernels.paged_attention.mosaic_gpu import BlockSizes
+
+        splits = case[3]
+        return BlockSizes(block_k=64, stages=2, num_splits=splits, slots_per_program=2 if splits == 1 else 1)
 
     def float8_block_sizes(self, case):
         """Also the kernel's own default for 8-bit pages, a third warpgroup converting the 8-bit tiles one
