@@ -61,9 +61,11 @@ def _add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    """--tp/--sp/--dp and the multi-host flags, for every command that runs a model."""
+    """--tp/--sp/--ep/--dp and the multi-host flags, for every command that runs a model."""
     g = p.add_argument_group("devices and hosts")
     g.add_argument("--tp", type=int, default=None, help="tensor parallelism: devices that split heads, FFN, vocabulary")
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert parallelism: devices that split a mixture of experts' experts (mesh axis `expert`)")
     g.add_argument("--sp", type=int, default=None,
                    help="sequence parallelism: devices that split the KV pages and run ring-attention prefill")
     g.add_argument("--dp", type=int, default=None, help="data parallelism (one engine serves dp=1)")
@@ -73,10 +75,10 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def parallel_from_args(args: argparse.Namespace, base: Any = None) -> Any:
-    """`base` (a ParallelConfig; default 1 x 1 x 1) with the given --tp/--sp/--dp."""
+    """`base` (a ParallelConfig; default one device) with the given --tp/--sp/--ep/--dp."""
     from jaxserve.config import ParallelConfig
 
-    given = {name: getattr(args, name) for name in ("tp", "sp", "dp") if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in ("tp", "sp", "dp", "ep") if getattr(args, name, None) is not None}
     return dataclasses.replace(base or ParallelConfig(), **given)
 
 

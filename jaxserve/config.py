@@ -259,20 +259,22 @@ KV_CACHE_DTYPES = ("auto", "float8_e4m3fn")  # auto: the activations' dtype
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Mesh sizes: `tp` devices split heads, FFN and vocabulary (axis `model`), `sp` split the sequence
-    (axis `seq`: ring-attention prefill, KV pages striped across devices), `dp` copies the rest (`data`)."""
+    (axis `seq`: ring-attention prefill, KV pages striped across devices), `ep` split a mixture's experts (axis
+    `expert`; the rest of the model is copied along it), `dp` copies the rest (`data`)."""
 
     tp: int = 1
     sp: int = 1
     dp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "sp", "dp"):
+    ep: int = 1
+        for name in ("tp", "sp", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise JaxserveError(f"parallel {name} must be at least 1, got {getattr(self, name)}")
 
     @property
     def num_devices(self) -> int:
-        return self.tp * self.sp * self.dp
+        return self.tp * self.sp * self.dp * self.ep
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,3 +129,49 @@ def test_the_model_attention_passes_its_spec_to_the_kernels(width):
     assert float(jnp.max(jnp.abs(kernels - xla))) < 0.05  # the kernel's bfloat16 operands
     plain = attend(q, k_pages, v_pages, table, positions, valid, backend="reference")
     assert float(jnp.max(jnp.abs(plain - xla))) > 0.2
+
+
+@pytest.mark.skipif(len(__import__("jax").devices()) < 8, reason="needs 8 devices (XLA_FLAGS, see tests/conftest.py)")
+def test_tensor_and_expert_parallel_engine_generates_the_tokens_of_one_device(tmp_path):
+    """Qwen3-MoE's 8 experts over ep=4 devices, each expert's ffn and the heads over tp=2: the greedy tokens of
+    transformers (which the one-device engine gives, above); the experts' weights are laid out as the rules say."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.config import ParallelConfig
+    from jaxserve.parallel.mesh import MeshPlan, make_mesh
+    from jaxserve.parallel.sharding import weight_shardings
+
+    model_type, overrides, _ = FAMILIES["qwen3_moe"]
+    hf = hf_tiny(model_type, **overrides)
+    save_tiny(hf, tmp_path)
+    model = load_model(str(tmp_path), dtype="float32")
+    layer = weight_shardings(model.weights, model.config, make_mesh(ParallelConfig(tp=2, ep=4))).layers[0]
+    assert (layer.experts.gate_up.spec, layer.experts.down.spec) == (P("expert", "model", None, None),
+                                                                     P("expert", None, "model"))
+    assert layer.experts.router.spec == P(None, None) and layer.wqkv.spec == P("model", None, None, None)
+    prompts = [prompt(7, 11), prompt(8, 6)]
+    done = run_engine(model, prompts, SamplingParams(max_tokens=12, ignore_eos=True), page_size=4, chunk_sizes=(8,),
+                      parallel=ParallelConfig(tp=2, ep=4))
+    for p, r in zip(prompts, done):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert r.output_ids == expected[0, len(p):].tolist()
+
+
+def test_parallel_layouts_the_model_cannot_take_are_refused_by_name():
+    from jaxserve.config import ModelConfig, ParallelConfig
+    from jaxserve.errors import JaxserveError
+    from jaxserve.parallel.mesh import check_model
+
+    moe = ModelConfig(architecture="mixtral", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, experts_per_token=2,
+                      moe_intermediate_size=32)
+    check_model(moe, ParallelConfig(tp=2, ep=4))
+    with pytest.raises(JaxserveError, match=r"--ep 3 does not divide the model's 8 experts \(mixtral\); use an ep "
+                                            r"among \[1, 2, 4, 8\]"):
+        check_model(moe, ParallelConfig(ep=3))
+    dense = dataclasses.replace(moe, architecture="llama", num_experts=0, experts_per_token=0, moe_intermediate_size=0)
+    with pytest.raises(JaxserveError, match="--ep 2: this llama model has no experts to split; use ep 1"):
+        check_model(dense, ParallelConfig(ep=2))
+    with pytest.raises(JaxserveError, match="--sp 2: ring attention takes no sliding window"):
+        check_model(dataclasses.replace(dense, sliding_window=4), ParallelConfig(sp=2))

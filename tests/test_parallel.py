@@ -33,7 +33,7 @@ TINY = ModelConfig(vocab_size=513, hidden_size=72, intermediate_size=96, num_lay
 @needs_12
 def test_rules_shard_heads_ffn_vocab_over_model_and_reject_collisions():
     mesh = make_mesh(ParallelConfig(tp=3, sp=4))
-    assert dict(mesh.shape) == {"data": 1, "seq": 4, "model": 3}
+    assert dict(mesh.shape) == {"data": 1, "seq": 4, "expert": 1, "model": 3}
     shardings = sharding.weight_shardings(random_weights(TINY, jax.random.key(0)), TINY, mesh)
     layer = shardings.layers[0]
     assert layer.wqkv.spec == P("model", None, None, None) and layer.wo.spec == P(None, "model", None)

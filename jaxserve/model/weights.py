@@ -54,7 +54,7 @@ class Experts:
     @staticmethod
     def abstract(cfg: ModelConfig) -> Experts:
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        return Experts(router=ArraySpec((e, d), ("experts", "embed")),
+        return Experts(router=ArraySpec((e, d), ("router", "embed")),
                        gate_up=ArraySpec((e, f, 2, d), ("experts", "ffn", "gate_up", "embed")),
                        down=ArraySpec((e, d, f), ("experts", "embed", "ffn")))
 

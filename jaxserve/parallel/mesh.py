@@ -1,7 +1,8 @@
-"""The device mesh (axes `data`, `seq`, `model`) and `MeshPlan`: a model and its engine laid out on one.
+"""The device mesh (axes `data`, `seq`, `expert`, `model`) and `MeshPlan`: a model and its engine laid out on one.
 
-`model` is the innermost axis, so tensor-parallel peers are the closest devices (one host, NVLink);
-`seq` comes next, so a sequence spread over hosts passes its K/V blocks between neighbours.
+`model` is the innermost axis, so tensor-parallel peers are the closest devices (one host, NVLink); `expert`
+comes next, so the partial sums of experts spread over it add up between close devices too (jaxserve.parallel.
+experts); then `seq`, so a sequence spread over hosts passes its K/V blocks between neighbours.
 """
 
 from __future__ import annotations
@@ -23,37 +24,48 @@ from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
 from jaxserve.parallel.attention import MeshAttention
+from jaxserve.parallel.experts import experts_on_mesh
 from jaxserve.parallel.ring import zigzag_order
 
 log = logging.getLogger(__name__)
 
-AXES = ("data", "seq", "model")
+AXES = ("data", "seq", "expert", "model")
 TOKEN_INPUTS = ("tokens", "positions", "valid", "targets")  # the StepInput arrays of shape [rows, width]
 
 
 def make_mesh(parallel: ParallelConfig, devices: list[Any] | None = None) -> Mesh:
-    """A (dp, sp, tp) mesh over the first dp * sp * tp devices; with several processes, over all of them."""
+    """A (dp, sp, ep, tp) mesh over the first dp * sp * ep * tp devices; with several processes, over all of them."""
     devices = list(jax.devices()) if devices is None else list(devices)
     need = parallel.num_devices
     if need > len(devices):
         raise JaxserveError(
-            f"--tp {parallel.tp} --sp {parallel.sp} --dp {parallel.dp} needs {need} devices, but only {len(devices)} "
-            f"{devices[0].platform.upper()} devices are visible; lower tp, sp or dp so that their product is at most "
-            f"{len(devices)}")
+            f"--tp {parallel.tp} --sp {parallel.sp} --ep {parallel.ep} --dp {parallel.dp} needs {need} devices, but only "
+            f"{len(devices)} {devices[0].platform.upper()} devices are visible; lower tp, sp, ep or dp so that their "
+            f"product is at most {len(devices)}")
     if jax.process_count() > 1 and need != len(devices):
         raise JaxserveError(
-            f"with {jax.process_count()} processes the mesh must use every device: tp * sp * dp = {need}, but there "
+            f"with {jax.process_count()} processes the mesh must use every device: tp * sp * ep * dp = {need}, but there "
             f"are {len(devices)} devices in all")
-    return jax.make_mesh((parallel.dp, parallel.sp, parallel.tp), AXES, axis_types=(AxisType.Auto,) * 3,
-                         devices=devices[:need])
+    return jax.make_mesh((parallel.dp, parallel.sp, parallel.ep, parallel.tp), AXES,
+                         axis_types=(AxisType.Auto,) * len(AXES), devices=devices[:need])
 
 
 def check_model(cfg: ModelConfig, parallel: ParallelConfig) -> None:
-    """Tensor parallelism splits the query heads: tp must divide them (KV heads are repeated as needed)."""
+    """Tensor parallelism splits the query heads: tp must divide them (KV heads are repeated as needed). Expert
+    parallelism splits the experts: ep must divide them. Ring attention (sp) takes no window or soft-cap."""
     if cfg.num_heads % parallel.tp:
         fits = [d for d in range(1, cfg.num_heads + 1) if cfg.num_heads % d == 0]
         raise JaxserveError(f"--tp {parallel.tp} does not divide the model's {cfg.num_heads} query heads; "
                             f"use a tp among {fits}")
+    if parallel.ep > 1 and not cfg.num_experts:
+        raise JaxserveError(f"--ep {parallel.ep}: this {cfg.architecture} model has no experts to split; use ep 1")
+    if cfg.num_experts % parallel.ep:
+        fits = [d for d in range(1, cfg.num_experts + 1) if cfg.num_experts % d == 0]
+        raise JaxserveError(f"--ep {parallel.ep} does not divide the model's {cfg.num_experts} experts "
+                            f"({cfg.architecture}); use an ep among {fits}")
+    if parallel.sp > 1 and (cfg.sliding_window is not None or cfg.attn_softcap is not None):
+        raise JaxserveError(f"--sp {parallel.sp}: ring attention takes no sliding window or soft-capped scores, which "
+                            f"this {cfg.architecture} model has; use sp 1 (tp and ep split it instead)")
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ class MeshPlan:
         if sharded_cfg.num_kv_heads != model_cfg.num_kv_heads:
             log.info("tp=%d: each of the %d KV heads is repeated %d times", parallel.tp, model_cfg.num_kv_heads,
                      sharded_cfg.num_kv_heads // model_cfg.num_kv_heads)
-        placed = sharding.shard_weights(weights, sharded_cfg, mesh)
+        placed = experts_on_mesh(sharding.shard_weights(weights, sharded_cfg, mesh), mesh)
         log.info("mesh %s over %d devices", dict(mesh.shape), mesh.size)
         return MeshPlan(mesh, sharded_cfg, placed, MeshAttention(mesh, cfg.attention), cfg)
 

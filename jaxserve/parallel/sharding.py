@@ -32,6 +32,8 @@ RULES: Rules = (
     ("qkv", None),  # within a KV head's group of wqkv: its query heads, key and value
     ("ffn", "model"),
     ("gate_up", None),
+    ("experts", "expert"),  # a mixture's experts, each whole on its device of `expert` (its ffn over `model`)
+    ("router", None),  # the router's rows, one per expert: every device routes every token
     ("pages", "seq"),  # the KV cache: each device of `seq` holds one block of the page pool
     ("page_size", None),
     ("batch", None),
