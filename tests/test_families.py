@@ -32,9 +32,9 @@ FAMILIES = {
     "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": WINDOW,
                                "sliding_window_pattern": 3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
                [{"local_rope_theta": None}, {"qk_norm": False}, {"sliding_window": None, "local_layers": None}]),
-    # original_max_position_embeddings 16: the prompts take the short factors, the tokens generated past 16 the long
-    "phi3": ("phi3", {"pad_token_id": 0, "sliding_window": 6, "original_max_position_embeddings": 16,
-                      "max_position_embeddings": 64, "rope_scaling": LONGROPE},
+    # every position below original_max_position_embeddings: the short factors (the long: test_longrope_...)
+    "phi3": ("phi3", {"pad_token_id": 0, "sliding_window": 6, "original_max_position_embeddings": 64,
+                      "max_position_embeddings": 256, "rope_scaling": LONGROPE},
              [{"rope_scaling": None}, {"sliding_window": None}]),
     "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2}, [{"norm_topk_prob": False}]),
     "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -67,7 +67,7 @@ def test_hidden_states_and_logits_match_transformers(family):
     """Each layer's input and the logits of a 3 x WINDOW sequence; with any of the family's switches turned off,
     the logits differ."""
     name, hf, model = family
-    ids = prompt(1, 14 if name == "phi3" else 3 * WINDOW)  # phi3: below original_max_position_embeddings
+    ids = prompt(1, 3 * WINDOW)
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True)
     out = full_forward(model, ids, return_hidden=True)
@@ -93,6 +93,32 @@ def test_engine_generates_the_greedy_tokens_of_transformers(family):
             expected = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
         assert r.output_ids == expected[0, len(p):].tolist(), f"prompt of {len(p)} tokens"
     assert max(r.cached_tokens for r in done) >= 4 * (len(shared) // 4) > window
+
+
+def test_longrope_takes_the_long_factors_from_the_original_length():
+    """Phi-3's LongRoPE: positions from original_max_position_embeddings on rotate by the long factors, times the
+    attention factor, as transformers' rotary embedding does for a sequence that long. (transformers then rotates
+    every earlier position by them too, recomputing the cache; jaxserve's pages keep each position as it was
+    written, so a sequence that crosses the length attends a little differently to the positions before it.)"""
+    import jax.numpy as jnp
+
+    from jaxserve.checkpoint.hf_config import config_from_hf
+    from jaxserve.model.transformer import apply_rope, rope_inv_freq
+
+    _, overrides, _ = FAMILIES["phi3"]
+    hf = hf_tiny("phi3", **overrides)
+    cfg = config_from_hf(hf.config.to_dict())
+    positions = torch.arange(60, 72)[None]  # across original_max_position_embeddings = 64
+    x = torch.randn(1, 1, 12, cfg.head_dim)  # [b, heads, t, hd]
+    cos, sin = hf.model.rotary_emb(x, positions)
+    half = cfg.head_dim // 2
+    expected = x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
+    ours = apply_rope(jnp.asarray(x.numpy()).transpose(0, 2, 1, 3), jnp.asarray(positions.numpy()),
+                      rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), cfg.rope_scaling)
+    ours = np.asarray(ours).transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(ours[..., 4:, :], expected[..., 4:, :].numpy(), rtol=1e-5, atol=1e-5)
+    assert np.abs(ours[..., :4, :] - expected[..., :4, :].numpy()).max() > 1e-2  # below 64: the short factors
+    assert cfg.rope_scaling.attention_factor == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))
 
 
 def test_info_json_reports_the_architecture_and_its_switches(tmp_path):
@@ -138,7 +164,7 @@ def test_tensor_and_expert_parallel_engine_generates_the_tokens_of_one_device(tm
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.config import ParallelConfig
-    from jaxserve.parallel.mesh import MeshPlan, make_mesh
+    from jaxserve.parallel.mesh import make_mesh
     from jaxserve.parallel.sharding import weight_shardings
 
     model_type, overrides, _ = FAMILIES["qwen3_moe"]

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from jaxserve.errors import CheckpointError, InputError
 
@@ -131,16 +131,55 @@ class Tokenizer:
 
 
 def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
-    """Builds a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata."""
+    """Builds the tokenizer of GGUF `tokenizer.ggml.*` metadata: byte-level BPE ('gpt2') or SentencePiece ('llama')."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(
-            f"{source}: tokenizer model {kind!r} is not supported; jaxserve reads byte-level BPE ('gpt2') "
-            "GGUF tokenizers. Convert the model from a Hugging Face directory with tokenizer.json instead."
+            f"{source}: tokenizer model {kind!r} is not supported; jaxserve reads byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') GGUF tokenizers. Convert the model from a Hugging Face directory with "
+            "tokenizer.json instead."
         )
     tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
     if not tokens:
         raise CheckpointError(f"{source}: the GGUF metadata has no tokenizer.ggml.tokens; the file carries no tokenizer")
+    backend = _byte_level_bpe(meta, tokens, source) if kind == "gpt2" else _sentencepiece_bpe(meta, tokens)
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    specials = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
+    backend.add_special_tokens(specials)
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = tuple(dict.fromkeys(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                                          "tokenizer.ggml.eom_token_id") if k in meta))
+    if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:  # llama.cpp's defaults
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
+    special_strings = {"bos_token": tokens[bos] if bos is not None else "",
+                       "eos_token": tokens[eos] if eos is not None else ""}
+    return Tokenizer(backend, bos, eos_ids, meta.get("tokenizer.chat_template"), special_strings)
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], tokens: list[str]) -> tokenizers.Tokenizer:
+    """A SentencePiece BPE vocabulary (Llama 2, Mistral, Gemma, Phi-3) as `tokenizers` runs it: spaces as "▁", a
+    merge for every piece that two pieces make (the merged piece's score its rank), unknown bytes as <0xNN> pieces."""
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = sorted(((piece[:k], piece[k:]) for piece in vocab for k in range(1, len(piece))
+                     if piece[:k] in vocab and piece[k:] in vocab),
+                    key=lambda m: (-scores[vocab[m[0] + m[1]]], vocab[m[0]], vocab[m[1]]))
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None if unk is None else tokens[unk],
+                                              fuse_unk=True, byte_fallback=True))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    backend.normalizer = normalizers.Sequence([*([normalizers.Prepend("▁")] if prefix else []),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         *([decoders.Strip(" ", 1, 0)] if prefix else [])])
+    return backend
+
+
+def _byte_level_bpe(meta: dict[str, Any], tokens: list[str], source: str) -> tokenizers.Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     backend = tokenizers.Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                               ignore_merges=False))
@@ -155,21 +194,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
             log.warning("%s: unknown pre-tokenizer %r; using the GPT-2 split pattern", source, pre)
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    specials = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
-                for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
-    backend.add_special_tokens(specials)
-
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = tuple(dict.fromkeys(int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                                          "tokenizer.ggml.eom_token_id") if k in meta))
-    if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B", special_tokens=[(tokens[bos], bos)])
-    special_strings = {"bos_token": tokens[bos] if bos is not None else "",
-                       "eos_token": tokens[eos] if eos is not None else ""}
-    return Tokenizer(backend, bos, eos_ids, meta.get("tokenizer.chat_template"), special_strings)
+    return backend
 
 
 def tokenizer_from_hf_dir(directory: str) -> Tokenizer:

@@ -83,8 +83,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array,
                scaling: RopeScaling | None = None) -> jax.Array:
     """Rotates x [batch, seq, heads, head_dim] by its positions [batch, seq] (half-split layout). LongRoPE (`scaling`
-    of that kind, inv_freq [2, head_dim // 2]) takes the long factors from original_max_position_embeddings on, as
-    transformers does for a sequence grown past it, and scales cos and sin by attention_factor."""
+    of that kind, inv_freq [2, head_dim // 2]) takes the long factors at positions from original_max_position_embeddings
+    on and scales cos and sin by attention_factor. Each position's rotation is its own, whatever the sequence's
+    length or chunking: transformers instead re-rotates every position of a sequence grown past that length (it
+    recomputes the cache), so there such a sequence attends a little differently to its earlier positions."""
     if scaling is not None and scaling.kind == "longrope":
         long = positions[..., None] >= scaling.original_max_position_embeddings
         inv_freq = jnp.where(long, inv_freq[1], inv_freq[0])  # [b, s, hd/2]
