@@ -32,7 +32,7 @@ lint: $(STAMP)
 # PYTHONPATH=.:/tmp/site. gRPC and protobuf at this venv's versions: the stubs refuse an older grpcio.
 GPU_WHEELS := gguf prometheus-client jinja2 markupsafe tqdm pyyaml hypothesis sortedcontainers attrs \
 	pytest-xdist execnet fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-	annotated-doc opentelemetry-api openai httpx2 httpcore2 truststore h11 jiter sniffio
+	annotated-doc opentelemetry-api openai httpx2 httpcore2 truststore h11 jiter sniffio llguidance
 gpu-wheels: $(STAMP)
 	rm -rf .whl
 	$(VENV)/bin/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \

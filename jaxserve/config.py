@@ -173,6 +173,7 @@ class SamplingParams:
     min_tokens: int = 0  # the stop tokens (end of sequence and stop_token_ids) and stop strings wait for this many
     n: int = 1  # samples of the prompt, each from its own seed (seed + i), sharing the prompt's KV pages
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top alternatives
+    grammar: str | None = None  # an llguidance grammar the output must match (jaxserve.engine.grammar)
 
     @property
     def penalized(self) -> bool:
@@ -265,9 +266,9 @@ class ParallelConfig:
     tp: int = 1
     sp: int = 1
     dp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-    ep: int = 1
         for name in ("tp", "sp", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise JaxserveError(f"parallel {name} must be at least 1, got {getattr(self, name)}")

@@ -331,6 +331,7 @@ class StepRunner:
                 padding = {name: sharding.put(x, self.plan.replicated()) for name, x in padding.items()}
             self._sample((r, sort, top), logits, padding)
         self._prompt_fns = {(r, width): self._compile_prompt_fn(r, width) for r, width, _ in self.buckets if width > 1}
+        self._masked_samplers: dict[tuple[int, bool, bool], Any] = {}
         compiled = time.perf_counter()
         # A first run of each bucket on padding rows (they write nothing): XLA initialises an executable
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
@@ -392,19 +393,28 @@ class StepRunner:
         return jax.jit(step, donate_argnums=(1,), in_shardings=(weights, state, self.plan.input_shardings(bucket)),
                        out_shardings=(self.plan.replicated(), self._logits_sharding(bucket[0]), final, state))
 
-    def _jit_sampler(self, rows: int, sort: bool, top: bool) -> Any:
+    def _jit_sampler(self, rows: int, sort: bool, top: bool, masked: bool = False) -> Any:
         if self.plan is None:
-            return SAMPLERS[sort, top]
+            return SAMPLERS[sort, top]  # (one jit: a call with masks traces its own variant)
         replicated = self.plan.replicated()
         inputs = {name: replicated for name in SAMPLING_INPUTS}
+        masks = (replicated,) if masked else ()
         return jax.jit(partial(sample_fn, sort=sort, top=top), donate_argnums=(1,),
-                       in_shardings=(self._logits_sharding(rows), replicated, replicated, replicated, inputs),
+                       in_shardings=(self._logits_sharding(rows), replicated, replicated, replicated, inputs, *masks),
                        out_shardings=(replicated, replicated))
 
-    def _sample(self, variant: tuple[int, bool, bool], logits: jax.Array, arrays: dict[str, Any]) -> jax.Array:
+    def _sample(self, variant: tuple[int, bool, bool], logits: jax.Array, arrays: dict[str, Any],
+                masks: Any = None) -> jax.Array:
+        """Enqueues the sampler `variant` (rows, sort, top) on a step's logits; with `masks`, its masked variant,
+        compiled at its first use (a server that never constrains a request never compiles it)."""
         state = self.state
-        packed, last_tokens = self._samplers[variant](logits, state.last_tokens, state.counts, state.in_prompt,
-                                                      {name: arrays[name] for name in SAMPLING_INPUTS})
+        sampler, extra = self._samplers[variant], ()  # type: tuple[Any, tuple[Any, ...]]
+        if masks is not None:
+            if variant not in self._masked_samplers:
+                self._masked_samplers[variant] = self._jit_sampler(*variant, masked=True)
+            sampler, extra = self._masked_samplers[variant], (masks,)
+        packed, last_tokens = sampler(logits, state.last_tokens, state.counts, state.in_prompt,
+                                      {name: arrays[name] for name in SAMPLING_INPUTS}, *extra)
         self.state = state._replace(last_tokens=last_tokens)
         return packed
 
@@ -427,7 +437,32 @@ class StepRunner:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
         if self.lockstep is not None:
             self.lockstep.send(inp)
-        packed, prompt = self._run(inp)
+        return self._reader(*self._run(inp))
+
+    @property
+    def constrains(self) -> bool:
+        """Whether steps with masks can be dispatched (`dispatch_constrained`): not over several processes, whose
+        followers would need each step's masks too."""
+        return self.lockstep is None
+
+    def dispatch_constrained(self, inp: StepInput) -> Callable[[np.ndarray], Callable[[], StepOutput]]:
+        """`dispatch` for a step whose sampler waits for its rows' masks of allowed tokens: enqueues the step's forward
+        now and returns `sample(masks)`, which enqueues the masked sampler (masks [rows, ceil(vocab / 32)] int32,
+        sampler.only_allowed's layout; every bit set for a free row) and returns what `dispatch` would. The engine
+        computes the masks while the forward runs (jaxserve.engine.engine)."""
+        if inp.shape not in self._compiled:
+            raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
+        _, logits, arrays, prompt = self._forward(inp)
+        variant = (inp.shape[0], inp.sorts, bool(inp.want_top.any()))
+
+        def sample(masks: np.ndarray) -> Callable[[], StepOutput]:
+            placed = masks if self.plan is None else sharding.put(masks, self.plan.replicated())
+            return self._reader(self._sample(variant, logits, arrays, placed), prompt)
+
+        return sample
+
+    def _reader(self, packed: jax.Array, prompt: jax.Array | None) -> Callable[[], StepOutput]:
+        """A dispatched step's result: waits for it and copies it back."""
 
         def local(x: jax.Array) -> np.ndarray:
             return np.asarray(x.addressable_data(0) if self.plan is not None else x)
@@ -442,6 +477,14 @@ class StepRunner:
         """Enqueues the step of `inp`, then the sampler on its logits if a row needs it (StepInput.samples), and
         the prompt log-probabilities if a row wants them; returns the packed result of the last sampling and the
         prompt log-probabilities (or None)."""
+        packed, logits, arrays, prompt = self._forward(inp)
+        if inp.samples:
+            packed = self._sample((inp.shape[0], inp.sorts, bool(inp.want_top.any())), logits, arrays)
+        return packed, prompt
+
+    def _forward(self, inp: StepInput) -> tuple[jax.Array, jax.Array, dict[str, Any], jax.Array | None]:
+        """Enqueues the step of `inp`, and the prompt log-probabilities if a row wants them -> (its packed greedy
+        result, its logits, the input arrays the sampler reads, the prompt log-probabilities or None)."""
         compiled = self._compiled[inp.shape]
         arrays = vars(inp)
         if self.plan is not None:
@@ -451,13 +494,11 @@ class StepRunner:
                 arrays = {name: sharding.put(x, shardings[name]) for name, x in arrays.items()}
         step_inputs = arrays if self.plan is not None else pack_step_input(inp)
         packed, logits, final, self.state = compiled(self.params, self.state, step_inputs)
-        if inp.samples:
-            packed = self._sample((inp.shape[0], inp.sorts, bool(inp.want_top.any())), logits, arrays)
         prompt = None
         if final is not None and (inp.targets >= 0).any():
             targets: Any = inp.targets if self.plan is None else sharding.put(arrays["targets"], self.plan.replicated())
             prompt = self._prompt_fns[inp.shape[:2]](self.weights, final, targets)
-        return packed, prompt
+        return packed, logits, arrays, prompt
 
     def follow(self) -> None:
         """A follower's loop: runs each step the leader broadcasts, until the leader closes."""

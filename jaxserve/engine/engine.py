@@ -11,6 +11,12 @@ Faults. If a step raises, the loop records the exception in `fault`, calls the `
 listeners, fails every request in flight (a last Update with finish_reason "error") and stops: the
 device state can no longer be trusted. A request whose sampled token has a non-finite log-probability
 (its logits overflowed or turned NaN) ends alone with "error"; the others continue.
+
+Constrained rows (SamplingParams.grammar). A row's mask of allowed tokens follows from every token before it, and
+step N+1 is dispatched before step N is read. So a step with constrained rows is dispatched in two parts: its
+forward now, its sampler once the masks are known. The engine reads step N, feeds each matcher its token, computes
+the masks (jaxserve.engine.grammar) while the device runs step N+1's forward, and then enqueues that step's masked
+sampler. Every row still decodes every step; steps without a constrained row are dispatched whole, as before.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.batch import MAX_SUPPRESSED, NUM_TOP, StepInput, StepOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.grammar import Grammars
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
 from jaxserve.errors import InputError
@@ -44,6 +51,8 @@ Dispatched = list[tuple[list[Chunk | None], Callable[[], StepOutput]]]  # rows o
 
 
 class Runner(Protocol):
+    def dispatch_constrained(self, inp: StepInput) -> Callable[[np.ndarray], Callable[[], StepOutput]]: ...
+
     def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]: ...
 
 
@@ -74,6 +83,20 @@ class EngineStats:
     schedule_s: float = 0.0
     dispatch_s: float = 0.0
     commit_s: float = 0.0
+    # computing constrained rows' masks of allowed tokens, and the steps that had some
+    mask_s: float = 0.0
+    masked_steps: int = 0
+
+
+class _Unmasked:
+    """A dispatched step whose constrained rows' sampler waits for their masks (see the module docstring):
+    `sample(masks)` enqueues it and gives the step's result."""
+
+    def __init__(self, sample: Callable[[np.ndarray], Callable[[], StepOutput]]) -> None:
+        self.sample = sample
+
+    def __call__(self) -> StepOutput:
+        raise AssertionError("a constrained step was read before its masks were given")
 
 
 class Engine:
@@ -86,6 +109,7 @@ class Engine:
         self.context_len = context_len
         self.scheduler = Scheduler(cfg)
         self.stats = EngineStats()
+        self.grammars = Grammars(tokenizer, vocab_size)
         self._arrivals = itertools.count()
         self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
         self._outboxes: dict[str, queue.SimpleQueue[Update]] = {}
@@ -101,14 +125,15 @@ class Engine:
     # -- the public surface ------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None, *,
                priority: int = 0, on_update: Callable[[Update], None] | None = None,
-               deadline: float | None = None) -> Request:
+               deadline: float | None = None, matcher: Any = None) -> Request:
         """Validates and enqueues a request; its updates arrive on `outbox(request.request_id)`, or, with
         `on_update`, are passed to it on the engine thread (it must not block: an asyncio server hands them to
         its loop).
 
         Lower `priority` values are admitted first; equal ones in order of arrival. A request still waiting at its
         `deadline` (time.monotonic()) is dropped unscheduled, as if cancelled. After a fault the engine takes nothing
-        more: submit raises RuntimeError.
+        more: submit raises RuntimeError. A request with SamplingParams.grammar gets a fresh matcher of it unless
+        `matcher` is one (a server makes it off its event loop: `grammars.matcher`).
         """
         if self.fault is not None:
             raise RuntimeError(f"the engine stopped after a fault: {type(self.fault).__name__}: {self.fault}")
@@ -129,8 +154,13 @@ class Engine:
         if params.n != 1:
             raise InputError(f"n={params.n}: the engine takes one sample a request; submit each of "
                              "SamplingParams.children()")
+        if params.grammar is not None and not getattr(self.runner, "constrains", False):
+            raise InputError("this engine cannot constrain decoding (structured output): its runner has no masked "
+                             "sampler (a multi-host group does not serve it yet)")
+        if params.grammar is not None and matcher is None:
+            matcher = self.grammars.matcher(params.grammar)
         request = Request(request_id or uuid.uuid4().hex, list(prompt_ids), params, next(self._arrivals),
-                          frozenset(stop_ids), priority=priority, deadline=deadline)
+                          frozenset(stop_ids), priority=priority, deadline=deadline, matcher=matcher)
         self.scheduler.check_fits(request)
         if on_update is None:
             box: queue.SimpleQueue[Update] = queue.SimpleQueue()
@@ -243,6 +273,8 @@ class Engine:
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._complete(previous)
+        if launched is not None:
+            self._constrain(launched)
 
     def _drop_expired(self) -> None:
         """Aborts the waiting requests past their deadline: their callers are gone, and a prefill for them would
@@ -278,7 +310,10 @@ class Engine:
 
     def _dispatch(self, rows: list[Chunk | None], width: int,
                   pages: int) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
-        return rows, self.runner.dispatch(StepInput.build(rows, width, pages, self.cfg.max_slots))
+        inp = StepInput.build(rows, width, pages, self.cfg.max_slots)
+        if any(c is not None and c.sample and c.request.matcher is not None for c in rows):
+            return rows, _Unmasked(self.runner.dispatch_constrained(inp))
+        return rows, self.runner.dispatch(inp)
 
     def _complete(self, dispatched: Dispatched) -> None:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""
@@ -328,12 +363,38 @@ class Engine:
         first = not request.output_ids
         request.token_times.append(time.perf_counter())
         self.scheduler.commit(chunk, token)
+        if request.matcher is not None and not self._follow_grammar(request, token):
+            return
         text = self._detok[request.request_id].push(token)
         if request.finished:
             text += self._detok[request.request_id].flush()
         text = self._apply_stop_strings(request, text)
         prompt = request.prompt_logprobs if first and request.params.prompt_logprobs is not None else None
         self._emit(request, [token], text, logprobs, prompt_logprobs=prompt)
+
+    def _constrain(self, dispatched: Dispatched) -> None:
+        """Gives each launched step with constrained rows its masks and enqueues its sampler. The step before it has
+        been read, so each row's matcher holds every token before the one this step samples."""
+        for i, (rows, result) in enumerate(dispatched):
+            if isinstance(result, _Unmasked):
+                start = time.perf_counter()
+                masks = self.grammars.masks([c.request.matcher if c is not None and c.sample and not c.request.finished
+                                             else None for c in rows])
+                self.stats.mask_s += time.perf_counter() - start
+                self.stats.masked_steps += 1
+                dispatched[i] = (rows, result.sample(masks))
+
+    def _follow_grammar(self, request: Request, token: int) -> bool:
+        """Feeds a constrained request's matcher its token; finishes the request ("stop") where the grammar ends.
+        False (the request ended with an error) if the grammar refuses the token, which a masked draw never gives
+        unless every token was masked (min_tokens holding back the only one the grammar allows, say)."""
+        if not request.matcher.consume_token(token):
+            self._end_with_error(request, f"token {token} does not follow the request's grammar: "
+                                          f"{request.matcher.get_error()[:200]}")
+            return False
+        if request.matcher.is_stopped() and not request.finished:
+            self.scheduler.finish(request, "stop")
+        return True
 
     def _end_with_error(self, request: Request, message: str) -> None:
         """Frees the request's slot and pages and sends its last Update, with finish_reason "error"."""

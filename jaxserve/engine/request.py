@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxserve.config import SamplingParams
 
@@ -55,6 +56,7 @@ class Request:
     scheduled_at: float | None = None  # when it first took a slot
     token_times: list[float] = field(default_factory=list)
     page_hashes: list[int] = field(default_factory=list)  # prefix hashes of its first full pages (tokens only grow)
+    matcher: Any = None  # with SamplingParams.grammar: its llguidance matcher, fed each token read back
 
     @property
     def all_ids(self) -> list[int]:

@@ -106,12 +106,16 @@ def greedy(logits: jax.Array, *, one_pass: bool | None = None) -> tuple[jax.Arra
 
 
 def sample_fn(logits: jax.Array, last_tokens: jax.Array, counts: jax.Array, in_prompt: jax.Array,
-              inp: dict[str, jax.Array], *, sort: bool, top: bool) -> tuple[jax.Array, jax.Array]:
+              inp: dict[str, jax.Array], allowed: jax.Array | None = None, *, sort: bool,
+              top: bool) -> tuple[jax.Array, jax.Array]:
     """A step's tokens drawn with each row's parameters from the step's logits -> (packed, last_tokens); replaces
     what `step_fn` returned for that step. counts and in_prompt are the device's per-slot arrays (jaxserve.step's
-    DeviceState), read at the rows' slots. With `top`, every row's NUM_TOP most likely tokens come too."""
+    DeviceState), read at the rows' slots. With `top`, every row's NUM_TOP most likely tokens come too. With
+    `allowed` (`only_allowed`'s masks), each row draws from its allowed tokens only; the log-probabilities returned
+    stay the model's own."""
     slots = jnp.minimum(inp["slots"], counts.shape[0] - 1)  # (padding rows read some slot; their token is dropped)
-    tokens = sample(logits, counts[slots], in_prompt[slots], inp, sort=sort)
+    drawn_from = logits if allowed is None else only_allowed(logits, allowed)
+    tokens = sample(drawn_from, counts[slots], in_prompt[slots], inp, sort=sort)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     rows = logits.shape[0]
     if top:
@@ -120,6 +124,14 @@ def sample_fn(logits: jax.Array, last_tokens: jax.Array, counts: jax.Array, in_p
         top_ids, top_logprobs = jnp.zeros((rows, NUM_TOP), jnp.int32), jnp.zeros((rows, NUM_TOP), jnp.float32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return commit(chosen, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
+
+
+def only_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """The logits [b, vocab] with every token a row's mask does not allow at -inf. allowed [b, ceil(vocab / 32)]
+    int32: bit t % 32 of word t // 32 allows token t (jaxserve.engine.grammar's layout; a free row sets every bit)."""
+    b, vocab = logits.shape
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # (arithmetic shift: bit 31 is kept by & 1)
+    return jnp.where(bits.reshape(b, -1)[:, :vocab] != 0, logits, -jnp.inf)
 
 
 def commit(chosen: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array,
