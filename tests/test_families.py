@@ -201,3 +201,29 @@ def test_parallel_layouts_the_model_cannot_take_are_refused_by_name():
         check_model(dense, ParallelConfig(ep=2))
     with pytest.raises(JaxserveError, match="--sp 2: ring attention takes no sliding window"):
         check_model(dataclasses.replace(dense, sliding_window=4), ParallelConfig(sp=2))
+
+
+def test_random_presets_have_the_families_shapes_and_a_decode_step_reads_the_routed_experts():
+    """random:qwen3-8b, gemma3-12b and qwen3-30b-a3b (for speed work) have their parameter counts; a batch-1 decode
+    step of a mixture reads experts_per_token of its experts' bytes, and the head but one row of the embedding."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.checkpoint.random_model import PRESETS
+    from jaxserve.model.quant import decode_weight_bytes
+    from jaxserve.model.weights import Weights, is_spec, param_bytes, random_weights
+
+    def params(name: str) -> float:
+        specs = jax.tree_util.tree_leaves(Weights.abstract(PRESETS[name]), is_leaf=is_spec)
+        return sum(math.prod(s.shape) for s in specs) / 1e9
+
+    assert (round(params("qwen3-8b"), 2), round(params("gemma3-12b"), 2), round(params("qwen3-30b-a3b"), 2)) == \
+        (8.19, 11.77, 30.53)
+    cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"], vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=8, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
+    w = random_weights(cfg, jax.random.key(0), jnp.float32)
+    experts = sum(lw.experts.gate_up.nbytes + lw.experts.down.nbytes for lw in w.layers)
+    assert decode_weight_bytes(w, 2) == param_bytes(w) - w.embed.nbytes + 32 * 4 - experts * 6 // 8
+    assert decode_weight_bytes(w, 2, rows=4) == param_bytes(w) - w.embed.nbytes + 4 * 32 * 4

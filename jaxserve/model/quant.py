@@ -200,6 +200,22 @@ def quantized_abstract(specs: Any, qcfg: QuantConfig) -> Any:
     return Weights(embed=embed, layers=tuple(layer(ls) for ls in specs.layers), final_norm=specs.final_norm, lm_head=head)
 
 
+def decode_weight_bytes(weights: Any, experts_per_token: int = 0, rows: int = 1) -> int:
+    """Bytes of weights a decode step of `rows` tokens reads: every weight but the embedding table (a row a token,
+    unless the head is tied to it) and, of each mixture of experts, those the tokens are routed to: `rows *
+    experts_per_token` experts at most (exactly that at one row: the batch-1 bandwidth floor)."""
+    total = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(weights, is_leaf=is_quantized))
+    embed = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(weights.embed, is_leaf=is_quantized))
+    if weights.lm_head is not None:
+        total -= embed - rows * embed // weights.embed.shape[0]
+    for lw in weights.layers:
+        if lw.experts is not None:
+            n = lw.experts.gate_up.shape[0]
+            expert_bytes = int(lw.experts.gate_up.nbytes + lw.experts.down.nbytes)
+            total -= expert_bytes - expert_bytes * min(rows * experts_per_token, n) // n
+    return total
+
+
 def linear_bytes(weights: Any) -> int:
     """Bytes of the decoder layers' linear weights (values and scales when quantized)."""
     total = 0
