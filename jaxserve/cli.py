@@ -60,6 +60,31 @@ def _add_kv_cache_arg(p: argparse.ArgumentParser) -> None:
                         "pages in the same memory; single device)")
 
 
+def _add_speculative_args(p: argparse.ArgumentParser) -> None:
+    from jaxserve.config import SPECULATIVE_METHODS
+
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="propose tokens by prompt lookup (ngram) or with a draft model (draft), verified in one step")
+    g.add_argument("--speculative-tokens", type=int, default=None, help="tokens proposed a step (default 4)")
+    g.add_argument("--speculative-model", default=None, help="the draft model (method draft)")
+
+
+def speculative_from_args(args: argparse.Namespace, base: Any = None) -> Any:
+    """The engine's SpeculativeConfig: `base` (a config file's) with the flags over it; None when neither sets it."""
+    from jaxserve.config import SpeculativeConfig
+
+    if args.speculative_method is None:
+        if args.speculative_tokens is not None or args.speculative_model is not None:
+            if base is None:
+                raise InputError("--speculative-tokens and --speculative-model need --speculative-method")
+            return dataclasses.replace(base, num_tokens=args.speculative_tokens or base.num_tokens,
+                                       model=args.speculative_model or base.model)
+        return base
+    return SpeculativeConfig(method=args.speculative_method, num_tokens=args.speculative_tokens or 4,
+                             model=args.speculative_model)
+
+
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
     """--tp/--sp/--ep/--dp and the multi-host flags, for every command that runs a model."""
     g = p.add_argument_group("devices and hosts")
@@ -110,6 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                    parallel=parallel_from_args(args))
     if args.kv_cache_dtype:
         engine_cfg = dataclasses.replace(engine_cfg, kv_cache_dtype=args.kv_cache_dtype)
+    engine_cfg = dataclasses.replace(engine_cfg, speculative=speculative_from_args(args))
     engine = launch.engine_or_follow(model, engine_cfg)
     if engine is None:
         return 0
@@ -238,7 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, attention=args.attention))
     if args.kv_cache_dtype is not None:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, kv_cache_dtype=args.kv_cache_dtype))
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, parallel=parallel_from_args(args, cfg.engine.parallel)))
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, parallel=parallel_from_args(args, cfg.engine.parallel),
+                                                              speculative=speculative_from_args(args, cfg.engine.speculative)))
     launch.join(args, cfg.distributed)
 
     def load_model() -> Any:
@@ -327,6 +354,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, kv_memory_fraction=args.kv_memory_fraction)
     if args.kv_cache_dtype:
         cfg = dataclasses.replace(cfg, kv_cache_dtype=args.kv_cache_dtype)
+    cfg = dataclasses.replace(cfg, speculative=speculative_from_args(args, cfg.speculative))
     from jaxserve.config import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
@@ -371,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(gen)
     _add_attention_arg(gen)
     _add_kv_cache_arg(gen)
+    _add_speculative_args(gen)
     add_parallel_args(gen)
     sampling(gen)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -407,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     _add_attention_arg(bench)
     _add_kv_cache_arg(bench)
+    _add_speculative_args(bench)
     add_parallel_args(bench)
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--input-len", type=int, default=128)
@@ -427,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(serve)
     _add_attention_arg(serve)
     _add_kv_cache_arg(serve)
+    _add_speculative_args(serve)
     add_parallel_args(serve)
     serve.add_argument("--config", default=None, help="ServerConfig YAML, e.g. configs/serve.yaml (default: built-in)")
     serve.add_argument("--host", default=None, help="address to listen on (default from the config: 0.0.0.0)")

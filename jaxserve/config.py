@@ -174,6 +174,8 @@ class SamplingParams:
     n: int = 1  # samples of the prompt, each from its own seed (seed + i), sharing the prompt's KV pages
     prompt_logprobs: int | None = None  # each prompt token's log-probability and this many top alternatives
     grammar: str | None = None  # an llguidance grammar the output must match (jaxserve.engine.grammar)
+    speculate: bool | None = None  # speculative decoding for this request (EngineConfig.speculative); None: on if
+    # the engine speculates
 
     @property
     def penalized(self) -> bool:
@@ -336,6 +338,7 @@ class EngineConfig:
     # 128-position pages (page_size: 128) decode ~3 % faster on an H100 than 16.
     decode_megakernel: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the device mesh the engine runs on
+    speculative: SpeculativeConfig | None = None  # speculative decoding; None: off
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "num_pages", "max_pages_per_slot"):
@@ -428,6 +431,34 @@ class EngineConfig:
             sizes.add(n)
             n *= 4
         return tuple(sorted(sizes))
+
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (jaxserve.engine.speculative): a decode row proposes up to `num_tokens` tokens and one
+    step of the target verifies them all, keeping the target's own output distribution. `ngram` proposes what
+    followed the latest earlier occurrence of the sequence's last n tokens (max_n down to min_n; prompt lookup),
+    `draft` what a smaller model sharing the target's tokenizer (`model`) generates greedily."""
+
+    method: str
+    num_tokens: int = 4
+    min_n: int = 1
+    max_n: int = 4
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise JaxserveError(f"speculative method={self.method!r} must be one of {SPECULATIVE_METHODS}")
+        if not 1 <= self.num_tokens <= 16:
+            raise JaxserveError(f"speculative num_tokens={self.num_tokens} must be between 1 and 16")
+        if not 1 <= self.min_n <= self.max_n:
+            raise JaxserveError(f"speculative min_n={self.min_n} and max_n={self.max_n} need 1 <= min_n <= max_n")
+        if (self.method == "draft") != (self.model is not None):
+            raise JaxserveError(f"speculative method={self.method!r} {'needs' if self.method == 'draft' else 'takes no'}"
+                                f" model (got {self.model!r})")
 
 
 QUANTIZE_MODES = ("int8",)

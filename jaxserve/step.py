@@ -31,7 +31,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache, page_dtype
-from jaxserve.model.sampler import SAMPLING_INPUTS, commit, greedy, prompt_logprobs, sample_fn
+from jaxserve.model.sampler import SAMPLING_INPUTS, commit, greedy, prompt_logprobs, sample_fn, verify_fn
 from jaxserve.model.transformer import decode_stacked, forward, head_logits
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
@@ -179,6 +179,18 @@ def _count_inputs(state: DeviceState, inp: dict[str, jax.Array], tokens_in: jax.
     return counts, in_prompt
 
 
+def verify_step_fn(weights: Weights, state: DeviceState, inp: dict[str, jax.Array], *, cfg: ModelConfig,
+                   attention: str | AttentionFn = "auto") -> tuple[jax.Array, DeviceState]:
+    """A speculative verify step: each row's last token and drafts through the model, their K/V written (a
+    rejected draft's is overwritten later: the engine rolls back by length) -> (logits at every position [rows,
+    width, vocab] float32, state)."""
+    tokens_in = inp["tokens"]
+    out = forward(weights, cfg, tokens_in, inp["positions"], inp["valid"], inp["page_table"], state.cache,
+                  attention=attention)
+    counts, in_prompt = _count_inputs(state, inp, tokens_in)
+    return out.logits, DeviceState(out.cache, state.last_tokens, counts, in_prompt)
+
+
 def prompt_fn(weights: Weights, final: jax.Array, targets: jax.Array, *, cfg: ModelConfig) -> jax.Array:
     """Prompt log-probabilities of a prefill step (sampler.prompt_logprobs) from its `final` [rows, width, embed]
     and targets [rows, width] -> [rows, width, 1 + 2 * NUM_TOP]; the logits are made a block of positions at a
@@ -223,6 +235,9 @@ def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, i
 # max_slots), so engines of the same model share its compilations.
 SAMPLERS = {(sort, top): jax.jit(partial(sample_fn, sort=sort, top=top), donate_argnums=(1,))
             for sort in (False, True) for top in (False, True)}
+VERIFIERS = {(sort, top): jax.jit(partial(verify_fn, sort=sort, top=top), donate_argnums=(1,))
+             for sort in (False, True) for top in (False, True)}
+VERIFY_INPUTS = (*SAMPLING_INPUTS, "tokens", "valid")
 
 
 def pages_in_memory(stats: list[dict[str, int]], fraction: float, unit_bytes: int, unit: int, *, reserved: int,
@@ -299,26 +314,23 @@ class StepRunner:
         attention = self.plan.attention if self.plan else cfg.attention
         step = (partial(stacked_step_fn, cfg=self.model_cfg, attention=cfg.attention, page_size=cfg.page_size)
                 if cfg.decode_megakernel else partial(step_fn, cfg=self.model_cfg, attention=attention))
+        # Speculative decoding's verify steps: (rows, num_tokens + 1) for every decode row count, all positions'
+        # logits, then `verify_fn` (jaxserve.model.sampler) in the variants of the samplers.
+        self.verify_buckets: list[tuple[int, int, int]] = []
+        if cfg.speculative is not None:
+            if cfg.decode_megakernel or self.plan is not None:
+                raise JaxserveError("speculative decoding runs on one device without decode_megakernel; got "
+                                    f"{cfg.parallel.num_devices} devices, decode_megakernel={cfg.decode_megakernel}")
+            self.verify_buckets = [(r, cfg.speculative.num_tokens + 1, full) for r in cfg.decode_buckets]
         start = time.perf_counter()
-        self._compiled: dict[tuple[int, int, int], Any] = {}
-        # Each bucket is traced and lowered here (that holds the GIL: one at a time), then compiled on a thread of
-        # its own (XLA compiles outside the GIL) while the next is lowered.
-        threads = max(1, min(len(self.buckets), os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            futures = {}
-            for bucket in self.buckets:
-                blank = StepInput.build([None] * bucket[0], bucket[1], bucket[2], cfg.max_slots)
-                example: Any = pack_step_input(blank)
-                if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
-                    example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(blank).items()}
-                lowered = self._jit(step, bucket).lower(self.params, self.state, example)
-                futures[pool.submit(lowered.compile)] = bucket
-            log.info("lowered %d step buckets in %.1f s; compiling on %d threads", len(self.buckets),
-                     time.perf_counter() - start, threads)
-            for done, future in enumerate(as_completed(futures), 1):
-                self._compiled[futures[future]] = future.result()
-                log.info("compiled %d/%d step buckets (%.0f s; rows, width, pages %s)", done, len(futures),
-                         time.perf_counter() - start, futures[future])
+        jobs: dict[Any, tuple[Callable[..., Any], tuple[int, int, int]]] = {("step", b): (step, b) for b in self.buckets}
+        jobs |= {("verify", b): (partial(verify_step_fn, cfg=self.model_cfg, attention=attention), b)
+                 for b in self.verify_buckets}
+        compiled_jobs = self._compile(jobs, start)
+        self._compiled = {b: fn for (kind, b), fn in compiled_jobs.items() if kind == "step"}
+        self._verify_steps = {b: fn for (kind, b), fn in compiled_jobs.items() if kind == "verify"}
+        self._verifiers = {(r, sort, top): VERIFIERS[sort, top] for r, _, _ in self.verify_buckets
+                           for sort in (False, True) for top in (False, True)}
         # The sampler's variants (see step_fn) for each row count of the buckets, compiled by a first run on
         # padding rows; and the prompt log-probabilities of each prefill bucket.
         self._samplers = {(r, sort, top): self._jit_sampler(r, sort, top) for r, _, _ in self.buckets
@@ -332,18 +344,49 @@ class StepRunner:
             self._sample((r, sort, top), logits, padding)
         self._prompt_fns = {(r, width): self._compile_prompt_fn(r, width) for r, width, _ in self.buckets if width > 1}
         self._masked_samplers: dict[tuple[int, bool, bool], Any] = {}
+        for (r, width, pages) in self.verify_buckets:  # the verifiers, compiled by a first run on padding rows
+            blank = StepInput.build([None] * r, width, pages, cfg.max_slots)
+            for sort in (False, True):
+                for top in (False, True):
+                    self._verify(blank, np.zeros((r, width, vocab), np.float32), sort, top)
         compiled = time.perf_counter()
         # A first run of each bucket on padding rows (they write nothing): XLA initialises an executable
         # lazily at its first run (about 1.3 s per bucket on CPU), which would otherwise fall on the
         # first requests' time to first token. Followers of a multi-host group run the same steps.
         # Kernels in interpret mode (a test setting) skip it: there each run is a whole slow interpretation.
-        first_runs = () if backend_lib.interpreted(cfg.attention) else self.buckets
-        for done, (r, width, pages) in enumerate(first_runs, 1):
-            jax.block_until_ready(self._run(StepInput.build([None] * r, width, pages, cfg.max_slots)))
+        first_runs = () if backend_lib.interpreted(cfg.attention) else [(b, False) for b in self.buckets] + \
+            [(b, True) for b in self.verify_buckets]
+        for done, ((r, width, pages), verify) in enumerate(first_runs, 1):
+            blank = StepInput.build([None] * r, width, pages, cfg.max_slots)
+            # (not dispatch: a multi-host leader would send the followers steps they run on their own here)
+            jax.block_until_ready(self.dispatch(blank, verify=True)() if verify else self._run(blank))
             log.info("first run %d/%d (%.0f s)", done, len(first_runs), time.perf_counter() - start)
         jax.block_until_ready(self.state)
         log.info("compiled %d step buckets and their samplers in %.1f s, first runs %.1f s: ready after %.1f s",
                  len(self.buckets), compiled - start, time.perf_counter() - compiled, time.perf_counter() - start)
+
+    def _compile(self, jobs: dict[Any, tuple[Callable[..., Any], tuple[int, int, int]]], start: float) -> dict[Any, Any]:
+        """Each job's step function compiled for its bucket. Each is traced and lowered here (that holds the GIL:
+        one at a time), then compiled on a thread of its own (XLA compiles outside the GIL) while the next is
+        lowered."""
+        compiled = {}
+        threads = max(1, min(len(jobs), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            futures = {}
+            for key, (fn, bucket) in jobs.items():
+                blank = StepInput.build([None] * bucket[0], bucket[1], bucket[2], self.cfg.max_slots)
+                example: Any = pack_step_input(blank)
+                if self.plan is not None:  # shapes only: a mesh over processes takes no numpy arrays
+                    example = {name: jax.ShapeDtypeStruct(x.shape, x.dtype) for name, x in vars(blank).items()}
+                lowered = self._jit(fn, bucket).lower(self.params, self.state, example)
+                futures[pool.submit(lowered.compile)] = key
+            log.info("lowered %d step buckets in %.1f s; compiling on %d threads", len(jobs),
+                     time.perf_counter() - start, threads)
+            for done, future in enumerate(as_completed(futures), 1):
+                compiled[futures[future]] = future.result()
+                log.info("compiled %d/%d step buckets (%.0f s; %s rows, width, pages %s)", done, len(futures),
+                         time.perf_counter() - start, *futures[future])
+        return compiled
 
     def _stacked_layers(self, model: LoadedModel, dtype: Any) -> StackedLayers:
         """The model's layers stacked for the decode megakernel; raises JaxserveError naming what it cannot take."""
@@ -431,8 +474,13 @@ class StepRunner:
         return self.plan.sharding(sharding.logical_spec(("batch", "vocab"), (rows, self.model_cfg.vocab_size),
                                                         self.plan.mesh))
 
-    def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]:
-        """Enqueues a step on the device and returns at once; calling the result waits and copies it back."""
+    def dispatch(self, inp: StepInput, verify: bool = False) -> Callable[[], StepOutput]:
+        """Enqueues a step on the device and returns at once; calling the result waits and copies it back.
+        `verify`: a speculative verify step (rows of a last token and its drafts)."""
+        if verify:
+            logits, self.state = self._verify_steps[inp.shape](self.params, self.state, pack_step_input(inp))
+            packed, counts = self._verify(inp, logits, inp.sorts, bool(inp.want_top.any()))
+            return lambda: StepOutput.unpack_verify(np.asarray(packed), np.asarray(counts))
         if inp.shape not in self._compiled:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
         if self.lockstep is not None:
@@ -499,6 +547,13 @@ class StepRunner:
             targets: Any = inp.targets if self.plan is None else sharding.put(arrays["targets"], self.plan.replicated())
             prompt = self._prompt_fns[inp.shape[:2]](self.weights, final, targets)
         return packed, logits, arrays, prompt
+
+    def _verify(self, inp: StepInput, logits: Any, sort: bool, top: bool) -> tuple[jax.Array, jax.Array]:
+        arrays = vars(inp)
+        packed, counts, last_tokens = self._verifiers[inp.shape[0], sort, top](
+            logits, self.state.last_tokens, {name: arrays[name] for name in VERIFY_INPUTS})
+        self.state = self.state._replace(last_tokens=last_tokens)
+        return packed, counts
 
     def follow(self) -> None:
         """A follower's loop: runs each step the leader broadcasts, until the leader closes."""

@@ -9,6 +9,7 @@ import pytest
 from jaxserve.engine.batch import StepInput
 from jaxserve.model.sampler import SAMPLING_INPUTS, filtered, penalized, sample
 
+
 @pytest.fixture(scope="module")
 def logits(smollm):
     """Teacher-forced logits [8, vocab] of the embedded model: the last 8 positions of a sentence."""

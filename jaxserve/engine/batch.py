@@ -71,7 +71,7 @@ class StepInput:
             if row is None:
                 continue
             request, start, length = row.request, row.start, row.length
-            known = request.known_ids(start, start + length)
+            known = request.known_ids(start, start + length) + row.drafts
             inp.tokens[i, :len(known)] = known
             if len(known) < length:
                 assert len(known) == length - 1 == 0, "only a decode row's one token can be still on the device"
@@ -124,10 +124,20 @@ class StepOutput:
     # [rows, width, 1 + 2 * NUM_TOP] float32 when a row asked for prompt log-probabilities: at each position, the
     # next prompt token's log-probability, then the top ids and log-probabilities (jaxserve.model.sampler)
     prompt: np.ndarray | None = None
+    # A verify step's (speculative decoding): tokens emitted per row, accepted drafts + 1; the other fields then have
+    # a position axis: tokens [rows, width], logprobs [rows, width], top_* [rows, width, NUM_TOP]
+    counts: np.ndarray | None = None
 
     @staticmethod
     def unpack(packed: np.ndarray, prompt: np.ndarray | None = None) -> StepOutput:
         """Splits the one array the device returns ([rows, 2 + 2 * NUM_TOP] float32)."""
-        return StepOutput(tokens=packed[:, 0].astype(np.int32), logprobs=packed[:, 1],
-                          top_ids=packed[:, 2:2 + NUM_TOP].astype(np.int32), top_logprobs=packed[:, 2 + NUM_TOP:],
+        return StepOutput(tokens=packed[..., 0].astype(np.int32), logprobs=packed[..., 1],
+                          top_ids=packed[..., 2:2 + NUM_TOP].astype(np.int32), top_logprobs=packed[..., 2 + NUM_TOP:],
                           prompt=prompt)
+
+    @staticmethod
+    def unpack_verify(packed: np.ndarray, counts: np.ndarray) -> StepOutput:
+        """A verify step's result ([rows, width, 2 + 2 * NUM_TOP] and the emitted counts [rows])."""
+        out = StepOutput.unpack(packed)
+        out.counts = counts
+        return out

@@ -40,6 +40,7 @@ from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.grammar import Grammars
 from jaxserve.engine.request import Request
 from jaxserve.engine.scheduler import Chunk, Scheduler, StepPlan
+from jaxserve.engine.speculative import NgramProposer, SpecStats
 from jaxserve.errors import InputError
 
 if TYPE_CHECKING:  # the engine imports no jax; jaxserve.checkpoint does
@@ -53,7 +54,7 @@ Dispatched = list[tuple[list[Chunk | None], Callable[[], StepOutput]]]  # rows o
 class Runner(Protocol):
     def dispatch_constrained(self, inp: StepInput) -> Callable[[np.ndarray], Callable[[], StepOutput]]: ...
 
-    def dispatch(self, inp: StepInput) -> Callable[[], StepOutput]: ...
+    def dispatch(self, inp: StepInput, verify: bool = False) -> Callable[[], StepOutput]: ...
 
 
 @dataclass
@@ -110,6 +111,10 @@ class Engine:
         self.scheduler = Scheduler(cfg)
         self.stats = EngineStats()
         self.grammars = Grammars(tokenizer, vocab_size)
+        self.spec = SpecStats()
+        if cfg.speculative is not None:
+            proposer = NgramProposer(cfg.speculative)
+            self.scheduler.propose = lambda request, k: proposer.propose(request.all_ids, k)
         self._arrivals = itertools.count()
         self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
         self._outboxes: dict[str, queue.SimpleQueue[Update]] = {}
@@ -306,14 +311,20 @@ class Engine:
             dispatched.append(self._dispatch(rows, 1, pages))
             self.stats.decode_steps += 1
             self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
+        if plan.verify:
+            assert self.cfg.speculative is not None
+            verify: list[Chunk | None] = list(plan.verify)
+            verify += [None] * (self.cfg.decode_rows_for(len(verify)) - len(verify))
+            dispatched.append(self._dispatch(verify, self.cfg.speculative.num_tokens + 1, self.cfg.max_pages_per_slot,
+                                             verify=True))
         return dispatched
 
-    def _dispatch(self, rows: list[Chunk | None], width: int,
-                  pages: int) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
+    def _dispatch(self, rows: list[Chunk | None], width: int, pages: int,
+                  verify: bool = False) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
         inp = StepInput.build(rows, width, pages, self.cfg.max_slots)
         if any(c is not None and c.sample and c.request.matcher is not None for c in rows):
             return rows, _Unmasked(self.runner.dispatch_constrained(inp))
-        return rows, self.runner.dispatch(inp)
+        return rows, self.runner.dispatch(inp, verify=True) if verify else self.runner.dispatch(inp)  # (fakes take one)
 
     def _complete(self, dispatched: Dispatched) -> None:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""
@@ -328,7 +339,10 @@ class Engine:
                     continue
                 if out.prompt is not None and chunk.request.params.prompt_logprobs is not None:
                     self._record_prompt_logprobs(chunk, out.prompt[i])
-                self._commit(chunk, out, i, tokens[i], logprobs[i])
+                if out.counts is not None:
+                    self._commit_verify(chunk, out, i)
+                else:
+                    self._commit(chunk, out, i, tokens[i], logprobs[i])
         self.stats.commit_s += time.perf_counter() - read
 
     @staticmethod
@@ -368,9 +382,46 @@ class Engine:
         text = self._detok[request.request_id].push(token)
         if request.finished:
             text += self._detok[request.request_id].flush()
-        text = self._apply_stop_strings(request, text)
+        text = self._apply_stop_strings(request, text)[0]
         prompt = request.prompt_logprobs if first and request.params.prompt_logprobs is not None else None
         self._emit(request, [token], text, logprobs, prompt_logprobs=prompt)
+
+    def _commit_verify(self, chunk: Chunk, out: StepOutput, row: int) -> None:
+        """A verify row's result: its emitted tokens are kept up to a stop token, max_tokens or a stop string (the
+        text and the tokens end exactly where they would without speculation), and sent as one update."""
+        request = chunk.request
+        assert out.counts is not None
+        count = int(out.counts[row])
+        self.spec.add(len(chunk.drafts), count - 1)
+        emitted = out.tokens[row, :count].tolist()
+        chosen = out.logprobs[row, :count].tolist()
+        if request.finished:
+            self.scheduler.commit_verify(chunk, [])
+            return
+        bad = next((i for i, lp in enumerate(chosen) if not math.isfinite(lp)), None)
+        if bad is not None:
+            self._end_with_error(request, f"the logits turned non-finite at position {request.num_tokens + bad}")
+            return
+        kept = self.scheduler.commit_verify(chunk, emitted)
+        detok = self._detok[request.request_id]
+        text, logprobs, now = "", [], time.perf_counter()
+        for i, token in enumerate(kept):
+            if request.params.logprobs:
+                n = request.params.logprobs
+                top = [(int(t), float(lp)) for t, lp in zip(out.top_ids[row, i, :n], out.top_logprobs[row, i, :n])]
+                logprobs.append((chosen[i], top))
+            request.token_times.append(now)
+            delta = detok.push(token) + (detok.flush() if request.finished and i == len(kept) - 1 else "")
+            emitted_text, hit = self._apply_stop_strings(request, delta)
+            text += emitted_text
+            if hit:  # a stop string ended it here: what followed was never generated
+                del request.output_ids[len(request.output_ids) - (len(kept) - 1 - i):]
+                kept = kept[:i + 1]
+                break
+        request.logprobs.extend(logprobs)
+        first = len(request.output_ids) == len(kept)
+        prompt = request.prompt_logprobs if first and request.params.prompt_logprobs is not None else None
+        self._emit(request, kept, text, logprobs, prompt_logprobs=prompt)
 
     def _constrain(self, dispatched: Dispatched) -> None:
         """Gives each launched step with constrained rows its masks and enqueues its sampler. The step before it has
@@ -402,21 +453,22 @@ class Engine:
         request.finish_reason = "error"
         self._emit(request, [], "", [], error=message)
 
-    def _apply_stop_strings(self, request: Request, delta: str) -> str:
-        """Cuts the text at the first stop string and finishes the request there."""
+    def _apply_stop_strings(self, request: Request, delta: str) -> tuple[str, bool]:
+        """Cuts the text at the first stop string and finishes the request there -> (the delta's text up to it,
+        whether a stop string was found)."""
         stops = request.params.stop
         if len(request.output_ids) < request.params.min_tokens:  # (vLLM's: the min_tokens-th token's text may stop)
             stops = ()
         if not stops or not delta:
             request.text += delta
-            return delta
+            return delta, False
         longest = max(len(s) for s in stops)
         window_start = max(0, len(request.text) - longest + 1)
         combined = request.text + delta
         hits = [i for i in (combined.find(s, window_start) for s in stops) if i >= 0]
         if not hits:
             request.text = combined
-            return delta
+            return delta, False
         cut = min(hits)
         emitted = combined[len(request.text):cut] if cut > len(request.text) else ""
         request.text = combined[:cut]
@@ -424,7 +476,7 @@ class Engine:
             self.scheduler.finish(request, "stop")
         else:
             request.finish_reason = "stop"
-        return emitted
+        return emitted, True
 
     def _emit(self, request: Request, ids: list[int], text: str, logprobs: list, error: str | None = None, *,
               prompt_logprobs: list | None = None) -> None:

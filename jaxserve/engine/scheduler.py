@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxserve.config import EngineConfig
@@ -30,6 +31,7 @@ class Chunk:
     start: int  # first position computed
     length: int  # tokens computed this step
     sample: bool = False  # the chunk ends at the request's last token: the step samples the next one
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after the last one: a verify row
 
 
 @dataclass
@@ -37,11 +39,12 @@ class StepPlan:
     prefill: list[Chunk] = field(default_factory=list)  # one row each, all of width `prefill_width`
     prefill_width: int = 0
     decode: list[Chunk] = field(default_factory=list)
+    verify: list[Chunk] = field(default_factory=list)  # speculative rows: the last token and its drafts
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.prefill and not self.decode and not self.verify
 
 
 class Scheduler:
@@ -52,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Speculative decoding (set by the engine): proposes up to k drafts after a request's tokens
+        self.propose: Callable[[Request, int], list[int]] | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -154,14 +159,38 @@ class Scheduler:
         self._admit()
         plan = StepPlan()
         decoding: list[Request] = []
+        verifying: list[tuple[Request, list[int]]] = []
         for request in sorted(self.running, key=lambda r: r.arrival):
-            if (request.state is State.RUNNING and request.pending == 1
-                    and len(request.output_ids) + request.unread < request.params.max_tokens
-                    and self._reserve(request, request.num_computed + 1, plan)):
-                decoding.append(request)
+            if not (request.state is State.RUNNING and request.pending == 1
+                    and len(request.output_ids) + request.unread < request.params.max_tokens):
+                continue
+            drafts: list[int] = []
+            if self.speculates(request):
+                if request.unread:  # its last token is still on the device: it waits a step for it
+                    continue
+                drafts = self._drafts(request)
+            if self._reserve(request, request.num_computed + 1 + len(drafts), plan):
+                (verifying.append((request, drafts)) if drafts else decoding.append(request))
         self._plan_prefill(plan)
         plan.decode = [self._advance(r, 1) for r in decoding if r.state is State.RUNNING]
+        plan.verify = [self._advance(r, 1 + len(d), d) for r, d in verifying if r.state is State.RUNNING]
         return plan
+
+    def speculates(self, request: Request) -> bool:
+        """Whether a decoding request's next step proposes drafts: the engine speculates, the request did not turn
+        it off, and nothing makes the step's positions differ in what they sample (penalties count the drafts as
+        output; min_tokens holds stop tokens back by position)."""
+        p = request.params
+        return (self.propose is not None and p.speculate is not False and not p.penalized
+                and len(request.output_ids) >= p.min_tokens)
+
+    def _drafts(self, request: Request) -> list[int]:
+        """Up to `num_tokens` drafts that fit: within max_tokens (the verify emits drafts + 1) and the slot."""
+        assert self.propose is not None and self.cfg.speculative is not None
+        room = min(self.cfg.speculative.num_tokens,
+                   request.params.max_tokens - len(request.output_ids) - 1,
+                   self.cfg.max_seq_len - request.num_tokens)
+        return self.propose(request, room)[:room] if room > 0 else []
 
     def _plan_prefill(self, plan: StepPlan) -> None:
         """The oldest prompt's next chunk sets the width; younger prompts fill the step's other rows."""
@@ -180,9 +209,11 @@ class Scheduler:
         plan.prefill = [c for c in plan.prefill if c.request.state is State.RUNNING]
         plan.prefill_width = width
 
-    def _advance(self, request: Request, length: int) -> Chunk:
-        """Counts `length` positions as computed, and their sample as drawn, before the step runs."""
-        chunk = Chunk(request, request.num_computed, length, request.num_computed + length == request.num_tokens)
+    def _advance(self, request: Request, length: int, drafts: list[int] | None = None) -> Chunk:
+        """Counts `length` positions as computed, and their sample as drawn, before the step runs. A verify chunk's
+        positions past the last token hold its drafts; what it keeps is known when it is read (commit_verify)."""
+        chunk = Chunk(request, request.num_computed, length,
+                      request.num_computed + length == request.num_tokens + len(drafts or ()), drafts or [])
         request.num_computed += length
         request.unread += chunk.sample
         return chunk
@@ -248,6 +279,33 @@ class Scheduler:
             self.finish(request, "stop")
         elif len(request.output_ids) >= request.params.max_tokens:
             self.finish(request, "length")
+
+    def commit_verify(self, chunk: Chunk, tokens: list[int]) -> list[int]:
+        """Records a verify chunk's emitted tokens (its accepted drafts, then the target's own token) and returns
+        those kept: up to a stop token or max_tokens. Rolls back by length: the K/V of the last token and the
+        kept drafts stays, the pages past the new length go back to the pool."""
+        request = chunk.request
+        if request.finished:
+            return []
+        kept: list[int] = []
+        for token in tokens:
+            kept.append(token)
+            if token in request.stop_ids or len(request.output_ids) + len(kept) >= request.params.max_tokens:
+                break
+        request.unread = 0
+        request.output_ids.extend(kept)  # (first: the pages the commit registers are hashed from the tokens)
+        if request.state is State.RUNNING and chunk.start == request.num_committed:
+            request.num_computed = chunk.start + len(kept)  # the last token's position and the kept drafts'
+            self.commit(Chunk(request, chunk.start, len(kept)), None)
+            need = -(-request.num_tokens // self.cfg.page_size)
+            for page in request.pages[need:]:
+                self.pages.release(page)
+            del request.pages[need:]
+        if kept and kept[-1] in request.stop_ids:
+            self.finish(request, "stop")
+        elif len(request.output_ids) >= request.params.max_tokens:
+            self.finish(request, "length")
+        return kept
 
     def finish(self, request: Request, reason: str) -> None:
         if request.state is State.RUNNING:

@@ -35,7 +35,8 @@ _ENVELOPE = {"custom_id", "method", "url", "body"}
 _INT_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "top_k": "top_k", "seed": "seed"}
 # passed to validation.sampling as they are
 _SAMPLING_KEYS = ("temperature", "top_p", "stop", "ignore_eos", "stop_token_ids", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "n", "prompt_logprobs")
+                  "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "n", "prompt_logprobs",
+                  "speculate")
 _IGNORED_KEYS = ("model", "user")  # accepted and not used: the job serves one model
 _DEFAULT_ONLY = {"best_of": 1, "stream": False, "echo": False}  # accepted only at these values
 

@@ -20,6 +20,7 @@ from pallas_kernels.flash_attention import paged_flash_attention
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 
 FLASH_BLOCK_Q = 128  # the flash kernels tile queries by 128 positions; shorter chunks are padded
+DECODE_KERNEL_QUERIES = 8  # chunks this short attend through the decode kernel, a row per query (see attend)
 
 # (q, k, v, k_pages, v_pages, write_at, page_table, positions, valid, *, spec) -> (out, k_pages, v_pages); see
 # `update_and_attend`.
@@ -92,10 +93,14 @@ def attend(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax
         return paged_attention_reference(q, k_pages, v_pages, page_table, positions, **spec.options())
     b, t = positions.shape
     start = positions[:, 0]
-    if t == 1:  # decode: one query per slot
-        lengths = jnp.where(valid[:, 0], start + 1, 0)
-        return paged_attention(q[:, 0], k_pages, v_pages, page_table, lengths, backend=backend,
-                               **spec.options())[:, None]
+    if t <= DECODE_KERNEL_QUERIES:
+        # decode (one query per slot), or a speculative verify row's few: each query a row of the decode kernel,
+        # attending up to its own position. The flash kernel would pad them to FLASH_BLOCK_Q queries: 32 layers of
+        # that cost a batch-1 8B step as much as 4 more tokens' K/V reads do here.
+        lengths = jnp.where(valid, positions + 1, 0).reshape(b * t)
+        out = paged_attention(q.reshape(b * t, *q.shape[2:]), k_pages, v_pages, jnp.repeat(page_table, t, axis=0),
+                              lengths, backend=backend, **spec.options())
+        return out.reshape(q.shape)
     padded = -(-t // FLASH_BLOCK_Q) * FLASH_BLOCK_Q
     qp = jnp.pad(q, ((0, 0), (0, padded - t), (0, 0), (0, 0)))
     kv_lengths = start + jnp.sum(valid, axis=1, dtype=jnp.int32)

@@ -28,12 +28,17 @@ def penalized(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array, inp: d
     repetition divides a positive logit (multiplies a negative one) of every token seen in the prompt or the output;
     frequency subtracts penalty × the token's count in the output; presence subtracts penalty once it occurs.
     counts [b, vocab] int32 are the output's token counts, in_prompt [b, vocab] bool the prompt's tokens."""
-    rows = jnp.arange(logits.shape[0])[:, None]
-    x = logits.at[rows, inp["bias_ids"]].add(inp["bias"], mode="drop")  # ids past the vocabulary are unused slots
+    x = biased(logits, inp)
     seen = in_prompt | (counts > 0)
     repetition = inp["repetition"][:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / repetition, x * repetition), x)
     return x - inp["frequency"][:, None] * counts - inp["presence"][:, None] * (counts > 0)
+
+
+def biased(logits: jax.Array, inp: dict[str, jax.Array]) -> jax.Array:
+    """The logits [b, vocab] with each row's logit biases added (ids past the vocabulary are unused entries)."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, inp["bias_ids"]].add(inp["bias"], mode="drop")
 
 
 def filtered(x: jax.Array, inp: dict[str, jax.Array], *, sort: bool) -> jax.Array:
@@ -152,3 +157,56 @@ def prompt_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
     top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
     target = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[:, None], axis=-1)
     return jnp.concatenate([target, top_ids.astype(jnp.float32), top_logprobs], axis=-1)
+
+
+def verify_fn(logits: jax.Array, last_tokens: jax.Array, inp: dict[str, jax.Array], *, sort: bool,
+              top: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Speculative verification: each row's input tokens are its last token and then its drafts (inp["tokens"]
+    [b, w], the drafts where inp["valid"]); logits [b, w, vocab] are the target's at those positions. A greedy row
+    accepts the longest prefix of drafts equal to the target's argmax, then takes the argmax after it. A sampled
+    row accepts draft i with probability p_i(draft i) (the target's distribution at i; the proposal is
+    deterministic), and at the first rejection draws from p_i without that token; with every draft accepted it
+    draws from the next position's distribution (Leviathan et al., Chen et al.): its tokens are distributed as the
+    target's. Rows with penalties do not speculate (their counts would need the drafts), logit biases apply.
+    -> (packed [b, w, 2 + 2 * NUM_TOP]: each emitted token, its log-probability and top alternatives, as `commit`
+    packs them; counts [b]: tokens emitted, accepted drafts + 1; last_tokens with each row's last emitted)."""
+    b, w, vocab = logits.shape
+
+    def per_position(x: jax.Array) -> jax.Array:
+        return jnp.repeat(x, w, axis=0)
+
+    flat = {name: per_position(inp[name]) for name in SAMPLING_INPUTS if name != "steps"}
+    flat["steps"] = (inp["steps"][:, None] + jnp.arange(w)[None, :]).reshape(-1)
+    x = biased(logits.reshape(b * w, vocab), flat)
+    target = jnp.argmax(x, axis=-1).astype(jnp.int32).reshape(b, w)
+    scaled = filtered(x, flat, sort=sort)
+    probs = jax.nn.softmax(scaled, axis=-1).reshape(b, w, vocab)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(flat["seeds"], flat["steps"])
+    drafts = inp["tokens"][:, 1:]
+    proposed = inp["valid"][:, 1:]
+    draft_p = jnp.take_along_axis(probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
+    uniform = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1)))(keys).reshape(b, w)[:, :-1]
+    sampled = inp["temperature"] > 0
+    accept = jnp.where(sampled[:, None], uniform < draft_p, drafts == target[:, :-1]) & proposed
+    accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)  # the leading accepted drafts
+    at = jnp.arange(b)
+    rejected = accepted < jnp.sum(proposed, axis=1)
+    # the last token, drawn at position `accepted`: without the rejected draft there, from p as it is past them all
+    last_x = scaled.reshape(b, w, vocab)[at, accepted]
+    rejected_draft = drafts[at, jnp.minimum(accepted, w - 2)]
+    last_x = jnp.where(rejected[:, None] & (jnp.arange(vocab)[None, :] == rejected_draft[:, None]), -jnp.inf, last_x)
+    last_keys = keys.reshape(b, w)[at, accepted]
+    drawn = jax.vmap(lambda k, z: jax.random.categorical(jax.random.fold_in(k, 2), z))(last_keys, last_x)
+    final = jnp.where(sampled, drawn.astype(jnp.int32), target[at, accepted])
+    position = jnp.arange(w)[None, :]
+    emitted = jnp.where(position < accepted[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                        jnp.where(position == accepted[:, None], final[:, None], 0))
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, emitted[..., None], axis=-1)[..., 0]
+    if top:
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, NUM_TOP)
+    else:
+        top_ids, top_logprobs = jnp.zeros((b, w, NUM_TOP), jnp.int32), jnp.zeros((b, w, NUM_TOP), jnp.float32)
+    packed = jnp.concatenate([emitted[..., None].astype(jnp.float32), chosen[..., None], top_ids.astype(jnp.float32),
+                              top_logprobs], axis=-1)
+    return packed, accepted + 1, last_tokens.at[inp["slots"]].set(final, mode="drop")

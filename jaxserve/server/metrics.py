@@ -47,6 +47,12 @@ class _EngineCollector(Collector):
                                           labels=["model_name"])
         compilations = CounterMetricFamily(PREFIX + "compilations", "XLA compilations in this process.",
                                            labels=["model_name"])
+        spec = [CounterMetricFamily(PREFIX + f"spec_decode_{name}", text, labels=["model_name"]) for name, text in (
+            ("num_drafts", "Speculative verify rows."), ("num_draft_tokens", "Speculative tokens proposed."),
+            ("num_accepted_tokens", "Speculative tokens accepted."))]
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Speculative tokens accepted, by their position in the draft.",
+                                           labels=["model_name", "position"])
         engine = self.engine
         if engine is not None:
             scheduler = engine.scheduler
@@ -55,8 +61,13 @@ class _EngineCollector(Collector):
             waiting.add_metric(labels, len(scheduler.waiting))
             usage.add_metric(labels, (pages.num_pages - pages.num_available) / pages.num_pages)
             preemptions.add_metric(labels, scheduler.num_preemptions)
+            stats = engine.spec
+            for family, value in zip(spec, (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)):
+                family.add_metric(labels, value)
+            for position, count in enumerate(stats.accepted_per_position):
+                per_position.add_metric([self.model_name, str(position)], count)
         compilations.add_metric(labels, self.compilations())
-        yield from (running, waiting, usage, preemptions, compilations)
+        yield from (running, waiting, usage, preemptions, compilations, *spec, per_position)
 
 
 class Metrics:

@@ -1,0 +1,132 @@
+"""Speculative decoding on the embedded model: lossless against plain decoding, inside continuous batching."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
+from jaxserve.engine.batch import StepInput
+from jaxserve.engine.speculative import ngram_proposal
+from jaxserve.model.sampler import SAMPLING_INPUTS, verify_fn
+
+ENGINE = EngineConfig(max_slots=16, page_size=16, num_pages=256, max_pages_per_slot=16, chunk_buckets=(16, 64))
+NGRAM = SpeculativeConfig(method="ngram", num_tokens=4)
+PASSAGES = ["The quick brown fox jumps over the lazy dog, and the dog sleeps in the warm afternoon sun.",
+            "Water boils at one hundred degrees Celsius at sea level, and it freezes at zero degrees.",
+            "Paris is the capital of France; Berlin is the capital of Germany; Rome is the capital of Italy."]
+
+
+@pytest.fixture(scope="module")
+def engines(smollm):
+    from jaxserve.step import build_engine
+
+    return build_engine(smollm, ENGINE), build_engine(smollm, dataclasses.replace(ENGINE, speculative=NGRAM))
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm):
+    """64 prompts: most ask to repeat or edit a passage they hold (n-gram lookup finds the answer in them), some
+    are open questions."""
+    tok = smollm.tokenizer
+    asks = ["Repeat this text exactly: {}", "Copy the following sentence: {}", "Say it again: {}",
+            "What does this say? {}", "Write a short poem about {}"]
+    out = []
+    for i in range(64):
+        text = asks[i % len(asks)].format(PASSAGES[i % len(PASSAGES)] if i % len(asks) < 4 else "winter number {i}")
+        out.append(tok.encode_chat([{"role": "user", "content": text}]))
+    return out
+
+
+def test_ngram_proposal_takes_what_followed_the_latest_match():
+    assert ngram_proposal([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3, 1, 3) == [7, 8, 1]
+    assert ngram_proposal([5, 6, 5, 6], 4, 1, 2) == [5, 6]  # (the match's own continuation, to the end)
+    assert ngram_proposal([1, 2, 3, 4], 3, 1, 3) == []
+    assert ngram_proposal([4, 1, 4], 2, 2, 3) == []  # no 2-gram repeats
+
+
+def test_greedy_tokens_are_identical_with_ngram_speculation(engines, prompts):
+    plain, spec = engines
+    params = [SamplingParams(max_tokens=16 + i % 5) for i in range(len(prompts))]
+    want = [r.output_ids for r in plain.generate(prompts, params)]
+    before = dataclasses.replace(spec.spec)
+    got = spec.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    assert [len(r.output_ids) for r in got] == [len(w) for w in want]  # max_tokens exact where it ends them
+    accepted = spec.spec.num_accepted_tokens - before.num_accepted_tokens
+    assert accepted > 0.3 * sum(len(w) for w in want), spec.spec  # the repeats are found in the prompts
+    pages = spec.scheduler.pages
+    assert pages.num_available == pages.num_pages and not spec.scheduler.running  # every page back in the pool
+
+
+def test_a_stop_string_inside_an_accepted_run_cuts_where_it_does_without_speculation(engines, prompts, smollm):
+    plain, spec = engines
+    prompt = prompts[0]
+    free = plain.generate([prompt], [SamplingParams(max_tokens=30)])[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 3]  # three characters in the middle of a repeat
+    params = SamplingParams(max_tokens=30, stop=(stop,))
+    want = plain.generate([prompt], [params])[0]
+    before = spec.spec.num_accepted_tokens
+    got = spec.generate([prompt], [params])[0]
+    assert spec.spec.num_accepted_tokens > before
+    assert (got.text, got.output_ids, got.finish_reason) == (want.text, want.output_ids, want.finish_reason)
+    assert got.finish_reason == "stop" and stop not in got.text
+
+
+def test_requests_that_do_not_speculate_batch_with_those_that_do(engines, prompts):
+    plain, spec = engines
+    params = [SamplingParams(max_tokens=20, speculate=i % 2 == 0) for i in range(8)]
+    params += [SamplingParams(max_tokens=20, repetition_penalty=1.3), SamplingParams(max_tokens=20, logprobs=2)]
+    got = spec.generate(prompts[:10], params)
+    want = plain.generate(prompts[:10], params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    for g, w in zip(got[-1:], want[-1:]):  # logprobs through verify steps equal the plain steps'
+        np.testing.assert_allclose([lp for lp, _ in g.logprobs], [lp for lp, _ in w.logprobs], atol=1e-4)
+
+
+def test_sampled_tokens_keep_the_target_distribution(smollm):
+    """Rejection sampling over many seeds: the first and the second token of a verify row are distributed as the
+    target's distribution at their positions (chi-square), whatever the drafts."""
+    from tests.helpers import logits_of
+
+    ids = smollm.tokenizer.encode("The capital of France is")
+    full = logits_of(smollm, ids + [12, 13])[-3:]  # the target at the last token and two drafted positions
+    vocab = 12
+    top = np.argsort(-full[0])[:vocab]
+    logits = np.stack([full[i][top] for i in range(3)]).astype(np.float32)  # a small vocabulary: the 12 likeliest
+    rows = 20000
+    drafts = [1, 0]  # the second likeliest, then the likeliest: some rows accept, some reject
+    inp = vars(StepInput.build([None] * rows, 3, 1, rows))
+    inp["tokens"][:, 1:], inp["valid"][:] = drafts, True
+    inp["seeds"][:], inp["slots"][:] = np.arange(rows), np.arange(rows)
+    inp["temperature"][:] = 0.8
+    arrays = {name: jnp.asarray(inp[name]) for name in (*SAMPLING_INPUTS, "tokens", "valid")}
+    packed, counts, _ = verify_fn(jnp.asarray(np.tile(logits, (rows, 1, 1))), jnp.zeros(rows, jnp.int32), arrays,
+                                  sort=False, top=False)
+    tokens, counts = np.asarray(packed[..., 0]).astype(int), np.asarray(counts)
+    scaled = logits.astype(np.float64) / 0.8
+    p = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    first = np.bincount(tokens[:, 0], minlength=vocab)
+    assert stats.chisquare(first, p[0] * first.sum()).pvalue > 1e-3
+    second = np.bincount(tokens[counts >= 2, 1], minlength=vocab)  # given the first draft was taken
+    assert stats.chisquare(second, p[1] * second.sum()).pvalue > 1e-3
+    assert 0.01 < (counts >= 2).mean() < 0.99  # both paths taken
+
+
+@pytest.mark.gpu
+def test_ngram_speculation_through_the_kernels_on_the_gpu(smollm, prompts):
+    """On a GPU the verify rows attend through the Mosaic GPU decode kernel, a row per query: greedy tokens equal
+    those without speculation."""
+    from jaxserve.step import build_engine
+
+    cfg = dataclasses.replace(ENGINE, attention="auto")
+    params = [SamplingParams(max_tokens=24)] * 16
+    want = [r.output_ids for r in build_engine(smollm, cfg).generate(prompts[:16], params)]
+    spec = build_engine(smollm, dataclasses.replace(cfg, speculative=NGRAM))
+    assert [r.output_ids for r in spec.generate(prompts[:16], params)] == want
+    assert spec.spec.num_accepted_tokens > 0
