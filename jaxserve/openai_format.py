@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxserve.tool_calls import ToolStream, parse
+
 # A token's logprobs entry: (id, its log-probability, the top alternatives); an echoed prompt's first token has
 # neither.
 Entry = tuple[int, float | None, list[tuple[int, float]] | None]
@@ -15,7 +17,7 @@ class Formatter:
 
     def __init__(self, tok: Any, chat: bool, top: int, logprobs: int, rid: str, created: int, model: str, n: int,
                  n_per_prompt: int, prompt_ids: list[list[int]], *, echo: bool = False, prompt_only: bool = False,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, tool_format: str | None = None):
         self.tok, self.chat, self.top, self.logprobs, self.n_per_prompt = tok, chat, top, logprobs, n_per_prompt
         self.rid, self.created, self.model = rid, created, model
         # echo: each choice's prompt ids, put before its text (and, with logprobs, its entries: the prompt's own
@@ -32,6 +34,9 @@ class Formatter:
         self.cached_tokens = [0] * n
         self.completion_tokens = [0] * n
         self.sent_role = [False] * n
+        # a chat with tools: each choice's text is parsed for tool calls in this format (jaxserve.tool_calls)
+        self.tool_format = tool_format
+        self.tool_streams = [ToolStream(tool_format) for _ in range(n)] if tool_format else []
 
     def add(self, index: int, request: Any, update: Any) -> None:
         if update.prompt_logprobs is not None:
@@ -109,8 +114,14 @@ class Formatter:
         for i, text in enumerate(self.text):
             finish = self.finish[i]
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": self._logprobs(self.lps[i]), "finish_reason": finish})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.tool_format:
+                    content, calls = parse(self.tool_format, text)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "logprobs": self._logprobs(self.lps[i]),
+                                "finish_reason": finish})
             else:
                 entries = self.lps[i]
                 if self.echo:
@@ -127,11 +138,18 @@ class Formatter:
         text = "" if self.prompt_only else update.text
         if self.chat:
             delta: dict[str, Any] = {"content": update.text}
+            finish = update.finish_reason
+            if self.tool_format:
+                stream = self.tool_streams[index]
+                delta["content"], calls = stream.push(update.text, finish is not None)
+                if calls:
+                    delta["tool_calls"] = calls
+                if stream.calls and finish == "stop":
+                    finish = "tool_calls"
             if not self.sent_role[index]:
                 delta["role"] = "assistant"
                 self.sent_role[index] = True
-            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(entries),
-                      "finish_reason": update.finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": self._logprobs(entries), "finish_reason": finish}
         else:
             if self.echo and not self.echoed[index]:  # the prompt comes first, in the choice's first chunk
                 self.echoed[index] = True

@@ -7,8 +7,8 @@ import threading
 import time
 import urllib.request
 
-import openai
 import numpy as np
+import openai
 import pytest
 
 from jaxserve.client import Client
@@ -155,8 +155,7 @@ def test_models_health_tokenize_detokenize_and_metrics(server, oai, smollm):
 
 @pytest.mark.parametrize(("body", "status", "message"), [
     ({"model": "gpt-4", "prompt": PARIS}, 404, "model='gpt-4' is not served here"),
-    ({"prompt": PARIS, "response_format": {"type": "json_object"}}, 400,
-     "response_format={'type': 'json_object'} is not supported by jaxserve yet"),
+    ({"prompt": PARIS, "best_of": 2}, 400, "best_of=2 is not supported by jaxserve yet"),
     ({"prompt": PARIS, "presence_penalty": 2.5}, 400, "presence_penalty=2.5 must be a number in [-2.0, 2.0]"),
     ({"prompt": PARIS, "logit_bias": {"99999999": 1}}, 400, "logit_bias token id 99999999 is outside the vocabulary"),
     ({"prompt": PARIS, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens=9 must be between 0 and max_tokens=4"),

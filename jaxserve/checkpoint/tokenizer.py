@@ -57,9 +57,11 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool = True,
-                    max_bytes: int | None = None) -> str:
-        """Renders `messages` ([{"role", "content"}]) with the model's chat template, at most `max_bytes` of it."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    max_bytes: int | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """Renders `messages` ([{"role", "content"}, with tool calls and results as `transformers` passes them]) with
+        the model's chat template, at most `max_bytes` of it; `tools` (OpenAI's function tools) reach the template
+        as `tools`, as `transformers`' apply_chat_template passes them."""
         if not self.chat_template:
             raise InputError("this model has no chat template; send a plain prompt instead of chat messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -72,7 +74,7 @@ class Tokenizer:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             template = env.from_string(self.chat_template)
-            text = template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+            text = template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
                                    **self.special_tokens)
         except InputError:
             raise
@@ -83,7 +85,8 @@ class Tokenizer:
             raise InputError(f"the chat template rendered more than {max_bytes} bytes (max_prompt_bytes)")
         return text
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], *, max_bytes: int | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], *, max_bytes: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a rendered chat; the template itself places any BOS token.
 
         Only the template makes control tokens: a special token's string inside a message's content tokenizes as
@@ -93,9 +96,10 @@ class Tokenizer:
         `transformers` does."""
         specials = [t for t in self.backend.get_added_tokens_decoder().values() if t.special]
         if not any(t.content in m["content"] for m in messages for t in specials):
-            return self.encode(self.render_chat(messages, max_bytes=max_bytes), add_special_tokens=False)
+            return self.encode(self.render_chat(messages, max_bytes=max_bytes, tools=tools), add_special_tokens=False)
         marks = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
-        rendered = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)], max_bytes=max_bytes)
+        rendered = self.render_chat([{**m, "content": mark} for m, mark in zip(messages, marks)], max_bytes=max_bytes,
+                                    tools=tools)
         ids: list[int] = []
         for i, mark in enumerate(marks):
             head, found, rendered = rendered.partition(mark)

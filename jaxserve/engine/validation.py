@@ -8,13 +8,17 @@ request's size could make expensive: sizes are checked in bytes first.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxserve import tool_calls
 from jaxserve.config import SamplingParams
 from jaxserve.engine.batch import MAX_LOGIT_BIAS
+from jaxserve.engine.grammar import compile_grammar
 from jaxserve.errors import InputError
 
 DEFAULT_MAX_TOKENS = 64
@@ -24,6 +28,8 @@ MAX_SEED = 2**32 - 1  # seeds key the sampler as uint32
 MAX_N = 16  # samples of one prompt
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty|, OpenAI's range
 MAX_BIAS = 100.0  # |logit_bias| values, OpenAI's range
+MAX_CONSTRAINT_BYTES = 65536  # a structured-output constraint as JSON text: a schema, regex, choices or grammar
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 # Roles a chat may use; a template may know more, which it names as string literals (`Limits.roles`).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -89,8 +95,11 @@ def token_ids(ids: Any, limits: Limits, name: str = "token_ids") -> list[int]:
     return list(ids)
 
 
-def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[str, str]]:
-    """Chat messages as [{"role", "content"}], each role one the template knows, the contents within the prompt bytes."""
+def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[str, Any]]:
+    """Chat messages as [{"role", "content"}], each role one the template knows, the contents within the prompt bytes.
+    An assistant message may carry OpenAI's `tool_calls` (content then may be empty), a tool message its
+    `tool_call_id` and `name`: they pass to the template as `transformers` passes them (each call's arguments as an
+    object)."""
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
         raise InvalidArgument(f"{name}={_show(value)} must be a non-empty list of {{role, content}} messages")
     if len(value) > limits.max_messages:
@@ -103,10 +112,22 @@ def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[st
         role, content = m.get("role"), m.get("content")
         if role not in limits.roles:
             raise InvalidArgument(f"{name}[{i}].role={_show(role)} is not one of {', '.join(limits.roles)}")
+        if content is None and m.get("tool_calls"):
+            content = ""
         if not isinstance(content, str):
             raise InvalidArgument(f"{name}[{i}].content={_show(content)} must be a string")
         size += len(content.encode("utf-8", "surrogatepass"))
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        for key in ("tool_call_id", "name"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise InvalidArgument(f"{name}[{i}].{key}={_show(m[key])} must be a string")
+                message[key] = m[key]
+                size += len(m[key].encode("utf-8", "surrogatepass"))
+        if m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{name}[{i}].tool_calls")
+            size += len(json.dumps(message["tool_calls"]).encode())
+        out.append(message)
     if size > limits.max_prompt_bytes:
         raise InvalidArgument(f"{name} contents are {size} bytes; at most {limits.max_prompt_bytes} (max_prompt_bytes)")
     return out
@@ -198,6 +219,152 @@ def _logit_bias(value: Any, limits: Limits, name: str) -> tuple[tuple[int, float
             raise InvalidArgument(f"{name}[{token}]={_show(bias)} must be a number in [-{MAX_BIAS}, {MAX_BIAS}]")
         out[token] = float(bias)
     return tuple(sorted(out.items()))
+
+
+def _tool_calls(value: Any, name: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI tool calls -> [{"id", "type": "function", "function": {"name", "arguments":
+    object}}] (arguments come as a JSON string; templates render the object)."""
+    if not isinstance(value, list):
+        raise InvalidArgument(f"{name}={_show(value)} must be a list of tool calls")
+    out = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidArgument(f"{name}[{i}]={_show(call)} must be {{id, type: function, function: {{name, "
+                                  "arguments}}}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError as e:
+                raise InvalidArgument(f"{name}[{i}].function.arguments={_show(arguments)} is not JSON: {e}") from None
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def tools(value: Any, choice: Any, limits: Limits, parallel: Any = None) -> tuple[list[dict[str, Any]], str]:
+    """OpenAI's `tools` and `tool_choice` -> (the tools as [{"type": "function", "function": {"name", "description"?,
+    "parameters"}}], the choice: "none", "auto", "required" or the name of the function to call). No tools: ([],
+    "none"); tools without a choice: "auto"."""
+    if value is None or value == []:
+        if choice not in (None, "none", "auto"):
+            raise InvalidArgument(f"tool_choice={_show(choice)} needs tools")
+        return [], "none"
+    if not isinstance(value, list):
+        raise InvalidArgument(f"tools={_show(value)} must be a list of {{type: function, function: {{name, ...}}}}")
+    out: list[dict[str, Any]] = []
+    for i, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise InvalidArgument(f"tools[{i}]={_show(tool)} must be {{type: function, function: {{name, description, "
+                                  "parameters}}}}")
+        fname = function.get("name")
+        if not isinstance(fname, str) or not _TOOL_NAME.fullmatch(fname):
+            raise InvalidArgument(f"tools[{i}].function.name={_show(fname)} must be 1 to 64 letters, digits, _ or -")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"tools[{i}].function.parameters={_show(parameters)} must be a JSON schema object")
+        entry = {"name": fname, "parameters": parameters}
+        if isinstance(function.get("description"), str):
+            entry["description"] = function["description"]
+        out.append({"type": "function", "function": entry})
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"tools name a function twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    size = len(json.dumps(out).encode())
+    if size > limits.max_prompt_bytes:
+        raise InvalidArgument(f"tools are {size} bytes; at most {limits.max_prompt_bytes} (max_prompt_bytes)")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidArgument(f"parallel_tool_calls={_show(parallel)} must be true or false")
+    if choice is None:
+        return out, "auto"
+    if choice in ("none", "auto", "required"):
+        return out, choice
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if named is None:
+        raise InvalidArgument(f"tool_choice={_show(choice)} must be none, auto, required or {{type: function, "
+                              "function: {name}}}")
+    if named not in names:
+        raise InvalidArgument(f"tool_choice names {named!r}, which is not one of the tools ({', '.join(names)})")
+    return out, named
+
+
+Constraint = tuple[str, Any, str]  # (kind, value, the field that sent it): what `constraint` compiles
+
+
+def tool_calling(tool_list: list[dict[str, Any]], choice: str, parallel: Any,
+                 template: str | None) -> tuple[str | None, Constraint | None]:
+    """(the format to parse the output's tool calls in, or None; the constraint that makes it call a tool, for
+    tool_choice "required" or a named function) of a chat's `tools` (from `tools`) under the model's template."""
+    if not tool_list:
+        return None, None
+    fmt = tool_calls.format_of(template)
+    if fmt is None:
+        raise InvalidArgument("tools: this model's chat template renders no tools in a format jaxserve parses "
+                              f"({' or '.join(tool_calls.FORMATS)}); send the request without tools")
+    if choice in ("none", "auto"):
+        return (fmt if choice == "auto" else None), None
+    return fmt, ("grammar", tool_calls.grammar_lark(fmt, tool_list, choice, parallel is not False), "tool_choice")
+
+
+def requested_constraint(response_format: Any, structured_outputs: Any,
+                         tool_constraint: Constraint | None = None) -> Constraint | None:
+    """The one constraint a request asks for: OpenAI's `response_format`, vLLM's `structured_outputs` ({"json" |
+    "regex" | "choice" | "grammar" | "json_object": ...}), or the tool calls tool_choice requires; None if none."""
+    found: list[Constraint] = []
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        spec = response_format.get("json_schema") if kind == "json_schema" else None
+        if kind == "json_schema":
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise InvalidArgument(f"response_format.json_schema={_show(spec)} must be {{name, schema, strict}}")
+            found.append(("json_schema", spec["schema"], "response_format.json_schema.schema"))
+        elif kind == "json_object":
+            found.append(("json_object", None, "response_format"))
+        elif kind != "text":
+            raise InvalidArgument(f"response_format.type={_show(kind)} must be text, json_object or json_schema")
+    if structured_outputs is not None:
+        forms = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                 "json_object": "json_object"}
+        keys = [k for k in forms if isinstance(structured_outputs, dict) and structured_outputs.get(k) not in (None, False)]
+        unknown = sorted(set(structured_outputs) - set(forms)) if isinstance(structured_outputs, dict) else []
+        if len(keys) != 1 or unknown:
+            raise InvalidArgument(f"structured_outputs={_show(structured_outputs)} must hold exactly one of "
+                                  f"{', '.join(forms)}")
+        found.append((forms[keys[0]], structured_outputs[keys[0]], f"structured_outputs.{keys[0]}"))
+    if tool_constraint is not None:
+        found.append(tool_constraint)
+    if len(found) > 1:
+        raise InvalidArgument(f"{' and '.join(f[2] for f in found)} each constrain the output; send one")
+    return found[0] if found else None
+
+
+def constraint(kind: str, value: Any, name: str) -> str:
+    """The llguidance grammar of a structured-output constraint (jaxserve.engine.grammar.compile_grammar): `kind`
+    json_schema (a schema object, or its JSON text), json_object, regex, choice (a list of strings) or grammar
+    (Lark or EBNF text), sent in the field `name`. Its size is checked before it is compiled."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidArgument(f"{name}={_show(value)} is not valid JSON: {e}") from None
+    if kind == "json_schema" and not isinstance(value, dict):
+        raise InvalidArgument(f"{name}={_show(value)} must be a JSON schema object")
+    if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+        raise InvalidArgument(f"{name}={_show(value)} must be a non-empty string")
+    if kind == "choice" and (not isinstance(value, list) or not value or
+                             not all(isinstance(c, str) and c for c in value)):
+        raise InvalidArgument(f"{name}={_show(value)} must be a non-empty list of non-empty strings")
+    size = len(json.dumps(value).encode()) if kind != "json_object" else 0
+    if size > MAX_CONSTRAINT_BYTES:
+        raise InvalidArgument(f"{name} is {size} bytes; at most {MAX_CONSTRAINT_BYTES}")
+    try:
+        return compile_grammar(kind, value)
+    except ValueError as e:
+        what = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}.get(kind, kind)
+        raise InvalidArgument(f"{name} is not a valid {what} here: {_show(str(e), 300)}") from None
 
 
 def fits(num_prompt: int, params: SamplingParams, limits: Limits, max_tokens_name: str = "max_tokens") -> None:

@@ -10,6 +10,7 @@ the field and value. With the server's auth token set, /v1/* and /tokenize, /det
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -123,7 +124,11 @@ def build_app(front: Frontend, cfg: ServerConfig, metrics: Metrics, *, serving: 
         prompts = await _guard(_completion_prompts(front, body.prompt))
         if body.logprobs is not None and not 0 <= body.logprobs <= limits.max_logprobs:
             raise HTTPError(400, f"logprobs={body.logprobs} must be between 0 and {limits.max_logprobs}", param="logprobs")
-        return await _run(front, metrics, body, prompts, limits, name, chat=False, logprobs=body.logprobs or 0)
+        if body.tools or body.tool_choice is not None:
+            raise HTTPError(400, "tools and tool_choice are for /v1/chat/completions", param="tools")
+        grammar = await _guard(_grammar(front, body, None))
+        return await _run(front, metrics, body, prompts, limits, name, chat=False, logprobs=body.logprobs or 0,
+                          grammar=grammar)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest) -> Response | dict[str, Any]:
@@ -138,13 +143,21 @@ def build_app(front: Frontend, cfg: ServerConfig, metrics: Metrics, *, serving: 
         top = body.top_logprobs or 0
         if not 0 <= top <= limits.max_logprobs:
             raise HTTPError(400, f"top_logprobs={top} must be between 0 and {limits.max_logprobs}", param="top_logprobs")
-        chat = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompts = [await _guard(front.encode_chat(chat))]
+        try:
+            tools, choice = validation.tools(body.tools, body.tool_choice, limits, body.parallel_tool_calls)
+            tool_format, tool_constraint = validation.tool_calling(tools, choice, body.parallel_tool_calls,
+                                                                   front.engine.tokenizer.chat_template
+                                                                   if front.engine is not None else None)
+        except InputError as e:
+            raise HTTPError(400, str(e), param="tools") from None
+        prompts = [await _guard(front.encode_chat([m.as_dict() for m in body.messages], tools=tools or None))]
+        grammar = await _guard(_grammar(front, body, tool_constraint))
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         # (logprobs: true with no top_logprobs still reports each chosen token's log-probability)
         return await _run(front, metrics, body, prompts, limits, name, chat=True,
-                          logprobs=max(top, 1) if body.logprobs else 0, top=top)
+                          logprobs=max(top, 1) if body.logprobs else 0, top=top, grammar=grammar,
+                          tool_format=tool_format)
 
     return app
 
@@ -226,11 +239,19 @@ def _children(body: Any, prompts: list[list[int]], limits: Limits, chat: bool, l
     return children
 
 
+async def _grammar(front: Frontend, body: Any, tool_constraint: validation.Constraint | None) -> str | None:
+    """The grammar of the one constraint the request asks for (validation.requested_constraint), or None."""
+    requested = validation.requested_constraint(body.response_format, body.structured_outputs, tool_constraint)
+    return None if requested is None else await front.constraint(*requested)
+
+
 async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[int]], limits: Limits, name: str, *,
-               chat: bool, logprobs: int, top: int = 0) -> Response | dict[str, Any]:
+               chat: bool, logprobs: int, top: int = 0, grammar: str | None = None,
+               tool_format: str | None = None) -> Response | dict[str, Any]:
     echo = getattr(body, "echo", False)
     prompt_only = echo and body.max_tokens == 0
-    children = _children(body, prompts, limits, chat, logprobs, prompt_only)
+    children = [(i, ids, dataclasses.replace(params, grammar=grammar))
+                for i, ids, params in _children(body, prompts, limits, chat, logprobs, prompt_only)]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     tok = front.engine.tokenizer if front.engine is not None else None
@@ -249,7 +270,8 @@ async def _run(front: Frontend, metrics: Metrics, body: Any, prompts: list[list[
 
     fmt = Formatter(tok, chat, top, logprobs, rid, created, name, len(children), body.n,
                      [ids for _, ids, _ in children], echo=echo, prompt_only=prompt_only,
-                     prompt_logprobs=children[0][2].prompt_logprobs if body.prompt_logprobs is not None else None)
+                     prompt_logprobs=children[0][2].prompt_logprobs if body.prompt_logprobs is not None else None,
+                     tool_format=tool_format)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(updates(), fmt, usage), media_type="text/event-stream")

@@ -12,8 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 # Known to OpenAI's API but not implemented here: accepted only at the value that turns them off.
-OFF_VALUES: dict[str, Any] = {"best_of": None, "suffix": None, "tools": None, "tool_choice": None,
-                              "response_format": None, "parallel_tool_calls": None}
+OFF_VALUES: dict[str, Any] = {"best_of": None, "suffix": None}
 
 
 class StreamOptions(BaseModel):
@@ -46,7 +45,11 @@ class _Sampling(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: each choice then carries `prompt_logprobs`
     # not implemented: see OFF_VALUES
     best_of: int | None = None
+    # structured output (jaxserve.engine.grammar): OpenAI's {"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {name, schema, strict}}, or vLLM's {"json" | "regex" | "choice" | "grammar": ...}; one of them
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # chat only (jaxserve.tool_calls)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -75,6 +78,13 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, each {id, type, function}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as validation.messages takes it."""
+        extra = {k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id),
+                                   ("tool_calls", self.tool_calls)) if v is not None}
+        return {"role": self.role, "content": self.text(), **extra}
 
     def text(self) -> str:
         if self.content is None:

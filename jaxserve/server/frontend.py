@@ -101,13 +101,15 @@ class Frontend:
         ids = await asyncio.get_running_loop().run_in_executor(self._pool, engine.tokenizer.encode, checked)
         return self._room(ids, name, limits)
 
-    async def encode_chat(self, messages: Any, name: str = "messages") -> list[int]:
-        """The chat's token ids; the template's output is bounded (twice max_prompt_bytes) and so is its time
-        (TEMPLATE_TIMEOUT_S: the caller is answered then, though a render thread cannot be stopped)."""
+    async def encode_chat(self, messages: Any, name: str = "messages",
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat's token ids, `tools` (validation.tools') passed to the template; the template's output is bounded
+        (twice max_prompt_bytes) and so is its time (TEMPLATE_TIMEOUT_S: the caller is answered then, though a
+        render thread cannot be stopped)."""
         engine, limits = self.ready(draining_ok=True)
         chat = validation.messages(messages, limits, name)
         render = asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: engine.tokenizer.encode_chat(chat, max_bytes=2 * limits.max_prompt_bytes))
+            self._pool, lambda: engine.tokenizer.encode_chat(chat, max_bytes=2 * limits.max_prompt_bytes, tools=tools))
         try:
             ids = await asyncio.wait_for(render, TEMPLATE_TIMEOUT_S)
         except TimeoutError:
@@ -117,6 +119,12 @@ class Frontend:
             log.warning("chat template failed: %s", e)  # one line: the caller gets the same as INVALID_ARGUMENT
             raise
         return self._room(ids, name, limits)
+
+    async def constraint(self, kind: str, value: Any, name: str) -> str:
+        """A structured-output constraint's grammar (validation.constraint), compiled off the event loop: a large
+        schema takes milliseconds."""
+        self.ready(draining_ok=True)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, validation.constraint, kind, value, name)
 
     def token_ids(self, ids: Any, name: str = "token_ids") -> list[int]:
         return validation.token_ids(ids, self.ready(draining_ok=True)[1], name)
@@ -165,7 +173,11 @@ class Frontend:
                 loop.call_soon_threadsafe(deliver, update)
 
         try:
-            request = engine.submit(ids, params, engine_id, priority=priority, on_update=on_update, deadline=deadline)
+            # a constrained request's matcher is made off the loop: the first one builds llguidance's tokenizer
+            matcher = None if params.grammar is None else await loop.run_in_executor(
+                self._pool, engine.grammars.matcher, params.grammar)
+            request = engine.submit(ids, params, engine_id, priority=priority, on_update=on_update, deadline=deadline,
+                                    matcher=matcher)
             while True:
                 update = await buffer.get()
                 buffered[0] -= len(update.token_ids)

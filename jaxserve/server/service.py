@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -82,6 +83,9 @@ class InferenceServicer:
             _, limits = self.front.ready()
             caller_id = validation.request_id(request.request_id)
             params = _sampling(request, limits)
+            constraint = _constraint(request.sampling)
+            if constraint is not None:
+                params = dataclasses.replace(params, grammar=await self.front.constraint(*constraint))
             ids = await self._prompt_ids(request)
             validation.fits(len(ids), params, limits, "sampling.max_tokens")
             reply_id, seen = "", set()
@@ -184,6 +188,17 @@ def _sampling(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
                                min_p=s.min_p, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
                                n=s.n if s.HasField("n") else 1,
                                prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, names=names)
+
+
+def _constraint(s: pb.SamplingParams) -> validation.Constraint | None:
+    """The request's structured-output constraint (SamplingParams' oneof `constraint`) as validation.constraint
+    takes it, or None."""
+    kind = s.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not s.json_object):
+        return None
+    value = {"json_schema": s.json_schema, "json_object": None, "regex": s.regex, "choice": list(s.choice.choices),
+             "grammar": s.grammar}[kind]
+    return kind, value, f"sampling.{kind}"
 
 
 async def _parse(raw: bytes, message: type[M], context: grpc.aio.ServicerContext) -> M:
