@@ -82,12 +82,14 @@ def test_hidden_states_and_logits_match_transformers(family):
 
 def test_engine_generates_the_greedy_tokens_of_transformers(family):
     """32 greedy tokens of two prompts sharing a prefix longer than the window, through the engine: pages of 4
-    tokens, prefill chunks of 8, the second prompt's prefix pages taken from the first's."""
+    tokens, prefill chunks of 8, the second prompt's prefix pages taken from the first's (one slot: one decode
+    bucket to compile, the prompts one after the other)."""
     name, hf, model = family
     window = model.config.sliding_window or WINDOW
     shared = prompt(2, window + 5)
     prompts = [shared + prompt(3, 3), shared + prompt(4, 2)]
-    done = run_engine(model, prompts, SamplingParams(max_tokens=32, ignore_eos=True), page_size=4, chunk_sizes=(8,))
+    done = run_engine(model, prompts, SamplingParams(max_tokens=32, ignore_eos=True), page_size=4, chunk_sizes=(8,),
+                      max_slots=1)
     for p, r in zip(prompts, done):
         with torch.no_grad():
             expected = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
@@ -175,13 +177,12 @@ def test_tensor_and_expert_parallel_engine_generates_the_tokens_of_one_device(tm
     assert (layer.experts.gate_up.spec, layer.experts.down.spec) == (P("expert", "model", None, None),
                                                                      P("expert", None, "model"))
     assert layer.experts.router.spec == P(None, None) and layer.wqkv.spec == P("model", None, None, None)
-    prompts = [prompt(7, 11), prompt(8, 6)]
-    done = run_engine(model, prompts, SamplingParams(max_tokens=12, ignore_eos=True), page_size=4, chunk_sizes=(8,),
-                      parallel=ParallelConfig(tp=2, ep=4))
-    for p, r in zip(prompts, done):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert r.output_ids == expected[0, len(p):].tolist()
+    ids = prompt(7, 11)
+    [done] = run_engine(model, [ids], SamplingParams(max_tokens=12, ignore_eos=True), page_size=4, chunk_sizes=(8,),
+                        parallel=ParallelConfig(tp=2, ep=4))
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert done.output_ids == expected[0, len(ids):].tolist()
 
 
 def test_parallel_layouts_the_model_cannot_take_are_refused_by_name():
@@ -209,11 +210,10 @@ def test_random_presets_have_the_families_shapes_and_a_decode_step_reads_the_rou
     import math
 
     import jax
-    import jax.numpy as jnp
 
     from jaxserve.checkpoint.random_model import PRESETS
     from jaxserve.model.quant import decode_weight_bytes
-    from jaxserve.model.weights import Weights, is_spec, param_bytes, random_weights
+    from jaxserve.model.weights import Weights, is_spec, param_bytes
 
     def params(name: str) -> float:
         specs = jax.tree_util.tree_leaves(Weights.abstract(PRESETS[name]), is_leaf=is_spec)
@@ -223,7 +223,15 @@ def test_random_presets_have_the_families_shapes_and_a_decode_step_reads_the_rou
         (8.19, 11.77, 30.53)
     cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"], vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                               num_kv_heads=2, head_dim=8, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
-    w = random_weights(cfg, jax.random.key(0), jnp.float32)
+    w = jax.tree_util.tree_map(lambda spec: np.zeros(spec.shape, np.float32), Weights.abstract(cfg), is_leaf=is_spec)
     experts = sum(lw.experts.gate_up.nbytes + lw.experts.down.nbytes for lw in w.layers)
     assert decode_weight_bytes(w, 2) == param_bytes(w) - w.embed.nbytes + 32 * 4 - experts * 6 // 8
     assert decode_weight_bytes(w, 2, rows=4) == param_bytes(w) - w.embed.nbytes + 4 * 32 * 4
+
+
+def test_the_decode_megakernel_refuses_a_model_with_switches_it_does_not_run():
+    from jaxserve.checkpoint.random_model import PRESETS
+    from jaxserve.model.transformer import decode_stacked
+
+    with pytest.raises(ValueError, match=r"runs Llama's block; this qwen3 model turns on \{'qk_norm': True\}"):
+        decode_stacked(None, None, PRESETS["qwen3-8b"], None, None, None, None, None, 16)  # type: ignore[arg-type]

@@ -214,6 +214,10 @@ def decode_stacked(weights: Weights, layers: decode_megakernel.StackedLayers, cf
     token's K/V written). `weights` gives the embedding, the final norm and the head (its layers are not read).
     The same step as `forward`'s at batch 1, with every layer in one kernel on a GPU (`backend`; `options` go to
     decode_megakernel.decode_layers)."""
+    other = {k: v for k, v in cfg.switches.items() if (k, v) not in (("rope_scaling", "linear"), ("rope_scaling", "llama3"))}
+    if other:  # (a qkv bias is refused by decode_megakernel.stack_layers)
+        raise ValueError(f"the decode megakernel runs Llama's block; this {cfg.architecture} model turns on {other}: "
+                         "serve it with decode_megakernel off")
     x = embed_lookup(weights.embed, tokens, jnp.float32)[:, 0]
     inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     h, k_pages, v_pages = decode_megakernel.decode_layers(cfg, layers, x, k_pages, v_pages, page_table, lengths,
