@@ -395,6 +395,9 @@ class StepRunner:
             raise JaxserveError(f"decode_megakernel runs its Mosaic GPU kernel on a GPU or its jnp reference "
                                 f"(attention='reference'); attention={self.cfg.attention!r} is {backend} on "
                                 f"{jax.default_backend()}")
+        if model.config.switches:
+            raise JaxserveError(f"decode_megakernel runs Llama's layers; this {model.config.architecture} model turns "
+                                f"on {', '.join(model.config.switches)}")
         try:
             check_config(model.config, self.cfg.page_size, dtype, backend=backend)
             return stack_layers(model.config, model.weights.layers, tiles=backend == "mosaic_gpu")
@@ -571,8 +574,22 @@ class StepRunner:
 def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
     """Compiles every bucket for `model` and returns an engine ready to take requests."""
     runner = StepRunner(model, cfg)
+    draft = None
+    if cfg.speculative is not None and cfg.speculative.method == "draft":
+        draft = StepRunner(_draft_model(model, cfg.speculative.model), dataclasses.replace(runner.cfg, kv_memory_fraction=0))
     return Engine(runner, model.tokenizer, runner.cfg, vocab_size=model.config.vocab_size,  # num_pages may be sized
-                  context_len=model.config.max_position_embeddings)
+                  context_len=model.config.max_position_embeddings, draft=draft)
+
+
+def _draft_model(target: LoadedModel, path: str | None) -> LoadedModel:
+    """The draft model of speculative decoding, in the target's dtype; it must share the target's vocabulary."""
+    from jaxserve.checkpoint import load_model
+
+    draft = load_model(path, dtype=str(jnp.dtype(target.weights.final_norm.dtype)))
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise JaxserveError(f"the draft model {path!r} has vocab_size={draft.config.vocab_size}; the target's is "
+                            f"{target.config.vocab_size}: a draft must share the target's tokenizer")
+    return draft
 
 
 def release_followers(engine: Engine) -> None:

@@ -130,3 +130,21 @@ def test_ngram_speculation_through_the_kernels_on_the_gpu(smollm, prompts):
     spec = build_engine(smollm, dataclasses.replace(cfg, speculative=NGRAM))
     assert [r.output_ids for r in spec.generate(prompts[:16], params)] == want
     assert spec.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft", ["embedded", "random:smollm2-135m"])
+def test_greedy_tokens_are_identical_with_a_draft_model(smollm, engines, prompts, embedded_path, draft):
+    """A draft equal to the target has every draft accepted; a random draft of the same vocabulary has most
+    rejected. Either way the tokens are the target's."""
+    from jaxserve.step import build_engine
+
+    plain = engines[0]
+    spec = SpeculativeConfig(method="draft", num_tokens=3, model=embedded_path if draft == "embedded" else draft)
+    engine = build_engine(smollm, dataclasses.replace(ENGINE, speculative=spec))
+    params = [SamplingParams(max_tokens=8 + i % 4) for i in range(64)]
+    want = [r.output_ids for r in plain.generate(prompts, params)]
+    assert [r.output_ids for r in engine.generate(prompts, params)] == want
+    rate = engine.spec.num_accepted_tokens / engine.spec.num_draft_tokens
+    assert rate > 0.97 if draft == "embedded" else rate < 0.5, engine.spec
+    pages = engine.scheduler.pages
+    assert pages.num_available == pages.num_pages

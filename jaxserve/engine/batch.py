@@ -100,6 +100,13 @@ class StepInput:
                 inp.targets[i, :len(after)] = after
         return inp
 
+    def greedy(self) -> StepInput:
+        """These rows with every sampling parameter off: each takes its most likely token (a draft model's
+        proposals)."""
+        self.temperature[:], self.want_top[:], self.min_p[:], self.bias[:] = 0, False, 0, 0
+        self.presence[:], self.frequency[:], self.repetition[:] = 0, 0, 1
+        return self
+
     @property
     def samples(self) -> bool:
         """Whether a row needs the sampler after the step's greedy pass (jaxserve.step)."""

@@ -102,7 +102,7 @@ class _Unmasked:
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, cfg: EngineConfig, *, vocab_size: int,
-                 context_len: int) -> None:
+                 context_len: int, draft: Runner | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -112,9 +112,14 @@ class Engine:
         self.stats = EngineStats()
         self.grammars = Grammars(tokenizer, vocab_size)
         self.spec = SpecStats()
-        if cfg.speculative is not None:
+        self.draft = draft
+        if cfg.speculative is not None and cfg.speculative.method == "ngram":
             proposer = NgramProposer(cfg.speculative)
-            self.scheduler.propose = lambda request, k: proposer.propose(request.all_ids, k)
+            self.scheduler.propose = lambda items: [proposer.propose(r.all_ids, k) for r, k in items]
+        elif cfg.speculative is not None:
+            if draft is None:
+                raise ValueError("speculative method 'draft' needs the draft model's runner")
+            self.scheduler.propose = self._draft_proposals
         self._arrivals = itertools.count()
         self._inbox: queue.Queue[tuple[str, Request]] = queue.Queue()
         self._outboxes: dict[str, queue.SimpleQueue[Update]] = {}
@@ -322,9 +327,28 @@ class Engine:
     def _dispatch(self, rows: list[Chunk | None], width: int, pages: int,
                   verify: bool = False) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
         inp = StepInput.build(rows, width, pages, self.cfg.max_slots)
+        if self.draft is not None:  # the draft model's K/V follows every step's tokens, in pages of its own
+            self.draft.dispatch(inp, verify=True) if verify else self.draft.dispatch(inp)
         if any(c is not None and c.sample and c.request.matcher is not None for c in rows):
             return rows, _Unmasked(self.runner.dispatch_constrained(inp))
         return rows, self.runner.dispatch(inp, verify=True) if verify else self.runner.dispatch(inp)  # (fakes take one)
+
+    def _draft_proposals(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+        """Drafts from the draft model: up to k greedy tokens after each request's last one, every request a decode
+        row at its slot, k draft steps back to back (each step's tokens fed on the device), read once at the end."""
+        assert self.draft is not None
+        steps = []
+        for i in range(max(k for _, k in items)):
+            rows: list[Chunk | None] = [None] * self.cfg.decode_rows_for(max(r.slot or 0 for r, _ in items) + 1)
+            for request, k in items:
+                if i < k:
+                    assert request.slot is not None
+                    rows[request.slot] = Chunk(request, request.num_tokens - 1 + i, 1)  # (past its last: fed)
+            pages = self.cfg.decode_pages_for(max(len(r.pages) for r, _ in items))
+            inp = StepInput.build(rows, 1, pages, self.cfg.max_slots).greedy()
+            steps.append(self.draft.dispatch(inp))
+        tokens = [result().tokens for result in steps]
+        return [[int(tokens[i][r.slot]) for i in range(k)] for r, k in items]  # type: ignore[index]
 
     def _complete(self, dispatched: Dispatched) -> None:
         """Reads a dispatched step back (one copy per dispatch) and commits every row of it."""

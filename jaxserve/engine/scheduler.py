@@ -55,8 +55,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Speculative decoding (set by the engine): proposes up to k drafts after a request's tokens
-        self.propose: Callable[[Request, int], list[int]] | None = None
+        # Speculative decoding (set by the engine): up to k drafts after each (request, k)'s tokens, all at once
+        self.propose: Callable[[list[tuple[Request, int]]], list[list[int]]] | None = None
 
     # -- admission ---------------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -159,18 +159,24 @@ class Scheduler:
         self._admit()
         plan = StepPlan()
         decoding: list[Request] = []
-        verifying: list[tuple[Request, list[int]]] = []
+        speculating: list[tuple[Request, int]] = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if not (request.state is State.RUNNING and request.pending == 1
                     and len(request.output_ids) + request.unread < request.params.max_tokens):
                 continue
-            drafts: list[int] = []
+            room = 0
             if self.speculates(request):
                 if request.unread:  # its last token is still on the device: it waits a step for it
                     continue
-                drafts = self._drafts(request)
-            if self._reserve(request, request.num_computed + 1 + len(drafts), plan):
-                (verifying.append((request, drafts)) if drafts else decoding.append(request))
+                room = self._draft_room(request)
+            if self._reserve(request, request.num_computed + 1 + room, plan):
+                (speculating.append((request, room)) if room else decoding.append(request))
+        verifying: list[tuple[Request, list[int]]] = []
+        speculating = [(r, k) for r, k in speculating if r.state is State.RUNNING]
+        if speculating:
+            assert self.propose is not None
+            for (request, k), drafts in zip(speculating, self.propose(speculating), strict=True):
+                (verifying.append((request, drafts[:k])) if drafts else decoding.append(request))
         self._plan_prefill(plan)
         plan.decode = [self._advance(r, 1) for r in decoding if r.state is State.RUNNING]
         plan.verify = [self._advance(r, 1 + len(d), d) for r, d in verifying if r.state is State.RUNNING]
@@ -182,15 +188,13 @@ class Scheduler:
         output; min_tokens holds stop tokens back by position)."""
         p = request.params
         return (self.propose is not None and p.speculate is not False and not p.penalized
-                and len(request.output_ids) >= p.min_tokens)
+                and len(request.output_ids) >= p.min_tokens and request.matcher is None)
 
-    def _drafts(self, request: Request) -> list[int]:
-        """Up to `num_tokens` drafts that fit: within max_tokens (the verify emits drafts + 1) and the slot."""
-        assert self.propose is not None and self.cfg.speculative is not None
-        room = min(self.cfg.speculative.num_tokens,
-                   request.params.max_tokens - len(request.output_ids) - 1,
-                   self.cfg.max_seq_len - request.num_tokens)
-        return self.propose(request, room)[:room] if room > 0 else []
+    def _draft_room(self, request: Request) -> int:
+        """How many drafts fit: `num_tokens`, within max_tokens (a verify emits drafts + 1) and the slot."""
+        assert self.cfg.speculative is not None
+        return max(0, min(self.cfg.speculative.num_tokens, request.params.max_tokens - len(request.output_ids) - 1,
+                          self.cfg.max_seq_len - request.num_tokens))
 
     def _plan_prefill(self, plan: StepPlan) -> None:
         """The oldest prompt's next chunk sets the width; younger prompts fill the step's other rows."""
