@@ -16,10 +16,12 @@ import pytest
 
 from jaxserve import tool_calls
 from jaxserve.client import Client
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import BatchConfig, EngineConfig, SamplingParams
 from jaxserve.engine.grammar import compile_grammar
+from jaxserve.jobs.runner import BatchJob
 from jaxserve.step import build_engine
 from tests.helpers import free_port
+from tests.test_jobs import read_output, write_lines
 from tests.test_server import start_server
 
 pytestmark = pytest.mark.slow
@@ -179,11 +181,39 @@ def test_grpc_constraints_and_a_bad_one(server):
     assert "sampling.regex" in info.value.details() and "unclosed group" in info.value.details()
 
 
-def test_llama3_json_tool_calls_parse_and_constrain(smollm):
+@pytest.fixture(scope="module")
+def engine(tools_model):
+    return build_engine(tools_model, ENGINE)
+
+
+def test_batch_lines_take_the_same_constraints_and_tools(engine, tmp_path):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+              "additionalProperties": False}
+    lines = [{"custom_id": "schema", "messages": [{"role": "user", "content": "Invent a name."}], "max_tokens": 30,
+              "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}},
+             {"custom_id": "regex", "url": "/v1/completions", "method": "POST",
+              "body": {"prompt": "Code:", "max_tokens": 10, "structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}}},
+             {"custom_id": "tool", "messages": ASK, "max_tokens": 60, "tools": [WEATHER],
+              "tool_choice": "required", "parallel_tool_calls": False},
+             {"custom_id": "bad", "prompt": "x", "structured_outputs": {"regex": "(("}}]
+    cfg = BatchConfig(input=write_lines(tmp_path / "in.jsonl", lines), output=str(tmp_path / "out.jsonl"),
+                      engine=ENGINE, sampling=SamplingParams(max_tokens=8), progress=False)
+    with BatchJob(cfg, shard_index=0) as job:
+        job.run(engine, MODEL)
+    out = {r["custom_id"]: r for r in read_output(cfg.output)}
+    body = {k: r["response"]["body"]["choices"][0] for k, r in out.items() if r["error"] is None}
+    jsonschema.validate(json.loads(body["schema"]["message"]["content"]), person)
+    assert re.fullmatch("[A-Z]{2}[0-9]{2}", body["regex"]["text"])
+    assert body["tool"]["finish_reason"] == "tool_calls"
+    (call,) = body["tool"]["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    assert "structured_outputs.regex" in out["bad"]["error"]["message"]
+
+
+def test_llama3_json_tool_calls_parse_and_constrain(engine, smollm):
     """Llama 3's JSON format: the grammar forces a call whose output parses into OpenAI's tool_calls; text that is
     not a call stays content."""
     lark = tool_calls.grammar_lark("llama3", [WEATHER, TIME], "get_time", parallel=False)
-    engine = build_engine(smollm, ENGINE)
     prompt = smollm.tokenizer.encode_chat([{"role": "user", "content": "What time is it in Oslo?"}])
     (done,) = engine.generate([prompt], [SamplingParams(max_tokens=40, grammar=compile_grammar("grammar", lark))])
     content, calls = tool_calls.parse("llama3", done.text)

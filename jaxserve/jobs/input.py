@@ -9,7 +9,8 @@ Two forms are read, one JSON object a line:
 
 A completions prompt is a string or a list of token ids; chat messages are rendered with the
 model's chat template. Sampling keys a line leaves out come from the job's defaults; every sampling field
-the HTTP API takes is read (penalties, min_p, logit_bias, min_tokens, n, logprobs, prompt_logprobs). A line that
+the HTTP API takes is read (penalties, min_p, logit_bias, min_tokens, n, logprobs, prompt_logprobs), and so are
+structured output (response_format, structured_outputs) and, on chat lines, tools and tool_choice. A line that
 asks for something jaxserve cannot honour (streaming, best_of, echo) is an error, never silently served
 otherwise. Blank lines are skipped; line numbers count every physical line from 1.
 """
@@ -20,7 +21,7 @@ import dataclasses
 import json
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
@@ -39,6 +40,9 @@ _SAMPLING_KEYS = ("temperature", "top_p", "stop", "ignore_eos", "stop_token_ids"
                   "speculate")
 _IGNORED_KEYS = ("model", "user")  # accepted and not used: the job serves one model
 _DEFAULT_ONLY = {"best_of": 1, "stream": False, "echo": False}  # accepted only at these values
+# structured output (both urls) and tool calling (chat): kept as sent, checked and compiled when the line is submitted
+_STRUCTURED_KEYS = ("response_format", "structured_outputs")
+_TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 class LineError(JaxserveError):
@@ -65,19 +69,33 @@ class BatchRequest:
     # log-probabilities the result shows: completions' `logprobs` (top k), chat's `logprobs` with `top_logprobs`
     logprobs: int = 0
     top_logprobs: int = 0
+    structured: dict[str, Any] = field(default_factory=dict)  # _STRUCTURED_KEYS and _TOOL_KEYS the line sent
 
-    def prompt_ids(self, tokenizer: Tokenizer, limits: validation.Limits) -> list[int]:
-        """The prompt's token ids: encoded text, the ids as given, or the rendered chat."""
+    def tool_calling(self, limits: validation.Limits, template: str | None) -> tuple[list[dict[str, Any]], str | None,
+                                                                                      str | None]:
+        """(the tools for the template, the format its tool calls are parsed in, the grammar the output follows)
+        of the line's tools, tool_choice, response_format and structured_outputs (the HTTP API's rules)."""
+        s = self.structured
+        tools, choice = validation.tools(s.get("tools"), s.get("tool_choice"), limits, s.get("parallel_tool_calls"))
+        tool_format, tool_constraint = validation.tool_calling(tools, choice, s.get("parallel_tool_calls"), template)
+        requested = validation.requested_constraint(s.get("response_format"), s.get("structured_outputs"),
+                                                    tool_constraint)
+        return tools, tool_format, None if requested is None else validation.constraint(*requested)
+
+    def prompt_ids(self, tokenizer: Tokenizer, limits: validation.Limits,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's token ids: encoded text, the ids as given, or the rendered chat (given `tools`)."""
         if self.messages is not None:
             chat = validation.messages(self.messages, limits)
-            return tokenizer.encode_chat(chat, max_bytes=2 * limits.max_prompt_bytes)
+            return tokenizer.encode_chat(chat, max_bytes=2 * limits.max_prompt_bytes, tools=tools or None)
         if isinstance(self.prompt, str):
             text = validation.prompt_text(self.prompt, limits)
             return tokenizer.encode(text)
         return validation.token_ids(self.prompt, limits, "prompt")
 
-    def params(self, limits: validation.Limits) -> SamplingParams:
-        return validation.sampling(limits, **self.sampling)
+    def params(self, limits: validation.Limits, grammar: str | None = None) -> SamplingParams:
+        values = {k: v for k, v in self.sampling.items() if k != "grammar"}  # (a job's defaults hold no constraint)
+        return dataclasses.replace(validation.sampling(limits, **values), grammar=grammar)
 
 
 def read_lines(path: str) -> Iterator[tuple[int, bytes]]:
@@ -163,7 +181,10 @@ def parse_line(raw: bytes, line: int, defaults: SamplingParams) -> BatchRequest:
     try:
         url, body = _envelope(obj)
         sampling = _sampling(body, url, cid, defaults)
-        shown = {"logprobs": sampling["logprobs"], "top_logprobs": body.get("top_logprobs") or 0}
+        shown = {"logprobs": sampling["logprobs"], "top_logprobs": body.get("top_logprobs") or 0,
+                 "structured": {k: body[k] for k in (*_STRUCTURED_KEYS, *_TOOL_KEYS) if body.get(k) is not None}}
+        if url == COMPLETIONS and any(k in shown["structured"] for k in _TOOL_KEYS):
+            raise JaxserveError(f"tools and tool_choice are for {CHAT!r} lines")
         if url == COMPLETIONS:
             return BatchRequest(line, cid, url, _prompt(body), None, sampling, **shown)
         return BatchRequest(line, cid, url, None, _messages(body), sampling, **shown)
@@ -195,7 +216,7 @@ def _sampling(body: dict[str, Any], url: str, cid: str, defaults: SamplingParams
     prompt_key = "prompt" if url == COMPLETIONS else "messages"
     values: dict[str, Any] = {}
     for key, value in body.items():
-        if key == prompt_key or key in _IGNORED_KEYS or value is None:
+        if key == prompt_key or key in _IGNORED_KEYS or value is None or key in _STRUCTURED_KEYS + _TOOL_KEYS:
             continue
         if key in _INT_KEYS:
             values[_INT_KEYS[key]] = value

@@ -30,14 +30,14 @@ def _hex_id(custom_id: str | None, line: int) -> str:
 
 
 def result_formatter(item: BatchRequest, prompt_ids: list[int], tokenizer: Any, *, model: str,
-                     created: int) -> Formatter:
+                     created: int, tool_format: str | None = None) -> Formatter:
     """What builds a served line's body from its choices' updates: the HTTP API's completions or chat-completions
     body (jaxserve.openai_format), the choices' log-probabilities included when the line asked for them."""
     chat = item.url == CHAT
     n = item.sampling.get("n", 1)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{_hex_id(item.custom_id, item.line)}"
     return Formatter(tokenizer, chat, item.top_logprobs, item.sampling["logprobs"], rid, created, model, n, n,
-                     [prompt_ids] * n, prompt_logprobs=item.sampling.get("prompt_logprobs"))
+                     [prompt_ids] * n, prompt_logprobs=item.sampling.get("prompt_logprobs"), tool_format=tool_format)
 
 
 def result_record(item: BatchRequest, formatter: Formatter) -> dict[str, Any]:

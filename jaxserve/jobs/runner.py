@@ -216,8 +216,9 @@ class BatchJob:
     @staticmethod
     def _submit(engine: Engine, item: BatchRequest, limits: validation.Limits, model: str, created: int) -> Line:
         """Submits a line's samples; a line whose engine submission fails halfway cancels what it submitted."""
-        ids = item.prompt_ids(engine.tokenizer, limits)
-        params = item.params(limits)
+        tools, tool_format, grammar = item.tool_calling(limits, engine.tokenizer.chat_template)
+        ids = item.prompt_ids(engine.tokenizer, limits, tools)
+        params = item.params(limits, grammar)
         validation.fits(len(ids), params, limits)
         requests: list[Request] = []
         try:
@@ -228,8 +229,8 @@ class BatchJob:
                 engine.cancel(r.request_id)
                 engine.close_outbox(r.request_id)
             raise
-        return Line(item, requests, result_formatter(item, ids, engine.tokenizer, model=model, created=created),
-                    len(requests))
+        return Line(item, requests, result_formatter(item, ids, engine.tokenizer, model=model, created=created,
+                                                     tool_format=tool_format), len(requests))
 
     def close(self) -> None:
         self.results.close()
