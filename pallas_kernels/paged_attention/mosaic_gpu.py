@@ -425,6 +425,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, *, sm_scale: float
     if bs.block_k % 64:
         raise ValueError(f"block_k={bs.block_k} must be a multiple of 64")
     splits, split_len, slots, need = resolve(bs, b, kv, max_len, hd, itemsize, kv_itemsize)
+    # head_dim 256 (Gemma): two 128-token stages do not fit in shared memory; smaller blocks, then one stage, do
+    for smaller in ((64, bs.stages), (64, 1)) if need > SMEM_BYTES and block_sizes is None and ps <= 64 else ():
+        bs = dataclasses.replace(bs, block_k=smaller[0], stages=smaller[1])
+        splits, split_len, slots, need = resolve(bs, b, kv, max_len, hd, itemsize, kv_itemsize)
+        if need <= SMEM_BYTES:
+            break
     if slots not in (1, 2) or (slots > 1 and splits > 1):
         raise ValueError(f"slots_per_program={slots} must be 1 or 2, and 1 when the sequence is split ({splits=})")
     if need > SMEM_BYTES:
