@@ -193,6 +193,34 @@ def grpc_load(address: str, prompts: list[list[int]], output_len: int, processes
             "itl_p99_s": percentile(itl, 0.99)}
 
 
+def preset_vocab(model: str) -> int:
+    from jaxserve.checkpoint.random_model import preset
+
+    return preset(model).vocab_size
+
+
+def stdlib_bpe(work: str, vocab: int) -> str:
+    """A byte-level BPE of up to `vocab` tokens learnt from the Python standard library's sources (a random model's
+    word-level tokenizer spells no JSON); returns its directory (tokenizer.json, its end of sequence)."""
+    import pathlib
+    import sysconfig
+
+    import tokenizers
+
+    files = pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer, tok.decoder = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False), tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator((f.read_text(encoding="utf-8", errors="replace") for f in files if "-packages" not in str(f)),
+                            tokenizers.trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|eos|>"], show_progress=False,
+                                                           initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    out = os.path.join(work, "stdlib-bpe")
+    os.makedirs(out, exist_ok=True)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|eos|>"}, f)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="k8s/overlays/gpu/serve.yaml")
@@ -201,9 +229,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--client-processes", type=int, default=8)
-    ap.add_argument("--parts", default="start,load,sampling",
+    ap.add_argument("--parts", default="start,load,sampling,structured",
                     help="start (cold and warm start-up), load (gRPC and HTTP against bench), sampling (bench's decode "
-                         "step with penalties, min_p and logit_bias on every row against greedy rows)")
+                         "step with penalties, min_p and logit_bias on every row against greedy rows), structured "
+                         "(bench's 64 rows under a JSON schema against 64 free rows, and the masks' host time)")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary directory)")
     ap.add_argument("--out", default="benchmarks/results/serve_gpu.jsonl")
     args = ap.parse_args()
@@ -301,6 +330,16 @@ def main() -> None:
             greedy["itl_p50_s"], higher_is_better=False)
         row("sampling_decode", load, "output_tokens_per_s", sampled["output_tokens_per_s"], "tok/s",
             "greedy rows, same run", greedy["output_tokens_per_s"])
+    if "structured" in parts:  # 64 JSON-schema rows against 64 free rows; masks need a tokenizer llguidance reads
+        extra = ["--tokenizer", stdlib_bpe(work, preset_vocab(args.model))] if args.model != "embedded" else []
+        pair = bench(64, 512, 256, (*extra, "--json-schema", os.path.join(REPO, "benchmarks", "data",
+                                                                            "records_schema.json"), "--rounds", "3"))
+        free, constrained = pair["unconstrained"], pair["constrained"]
+        load = {"requests": 64, "input_len": 512, "output_len": 256, "schema": "benchmarks/data/records_schema.json"}
+        row("structured_decode", load, "output_tokens_per_s", constrained["output_tokens_per_s"], "tok/s",
+            "unconstrained rows, same engine, alternating rounds", free["output_tokens_per_s"])
+        row("structured_decode", load, "mask_ms_per_step", constrained["mask_ms_per_step"], "ms", "the step's ITL p50",
+            1e3 * constrained["itl_p50_s"], higher_is_better=False)
     for fields, higher_is_better in rows:
         print(json.dumps(record(args.out, *fields, higher_is_better=higher_is_better)), flush=True)
 

@@ -53,9 +53,11 @@ def _geometric(low: int, high: int, ratio: float) -> tuple[int, ...]:
 
 
 def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len: int,
-              cfg: EngineConfig | None = None, seed: int = 0, params: SamplingParams | None = None) -> dict[str, Any] | None:
-    """Builds an engine for the load, then runs it (`run_load`); adds the build's seconds as compile_s. A follower
-    of a multi-host group runs the leader's steps instead and gets None."""
+              cfg: EngineConfig | None = None, seed: int = 0, params: SamplingParams | None = None,
+              constrained: SamplingParams | None = None, rounds: int = 1) -> dict[str, Any] | None:
+    """Builds an engine for the load, then runs it (`run_load`); adds the build's seconds as compile_s. With
+    `constrained`, runs `run_pair` instead. A follower of a multi-host group runs the leader's steps instead and gets
+    None."""
     cfg = cfg or bench_config(num_requests, input_len, output_len)
     compile_start = time.perf_counter()
     engine = launch.engine_or_follow(model, cfg)
@@ -63,9 +65,26 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
         return None
     compile_s = time.perf_counter() - compile_start
     try:
+        if constrained is not None:
+            return {**run_pair(engine, num_requests, input_len, output_len, params, constrained, rounds),
+                    "compile_s": compile_s}
         return {**run_load(engine, num_requests, input_len, output_len, seed, params), "compile_s": compile_s}
     finally:
         release_followers(engine)
+
+
+def run_pair(engine: Engine, num_requests: int, input_len: int, output_len: int, params: SamplingParams | None,
+             constrained: SamplingParams, rounds: int) -> dict[str, Any]:
+    """The load with `params` and with `constrained` (the same with a grammar), alternating for `rounds` rounds on
+    one engine, so that the machine's other load falls on both alike: each one's run of median output tokens/s,
+    and the ratio of those."""
+    runs: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "constrained": []}
+    for r in range(rounds):
+        for i, (name, p) in enumerate((("unconstrained", params), ("constrained", constrained))):
+            runs[name].append(run_load(engine, num_requests, input_len, output_len, 2 * r + i, p))
+    median = {name: sorted(rs, key=lambda x: x["output_tokens_per_s"])[len(rs) // 2] for name, rs in runs.items()}
+    ratio = median["constrained"]["output_tokens_per_s"] / median["unconstrained"]["output_tokens_per_s"]
+    return {**median, "rounds": rounds, "constrained_over_unconstrained": ratio}
 
 
 def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int, seed: int = 0,
@@ -99,6 +118,11 @@ def run_load(engine: Engine, num_requests: int, input_len: int, output_len: int,
         # and the host work by part, as shares of the wall time
         **{f"{part}_fraction": (getattr(engine.stats, f"{part}_s") - getattr(before, f"{part}_s")) / wall
            for part in ("schedule", "dispatch", "commit")},
+        # constrained requests (SamplingParams.grammar): the host's time computing a step's masks, per step that had
+        # some (jaxserve.engine.grammar)
+        "masked_steps": engine.stats.masked_steps - before.masked_steps,
+        "mask_ms_per_step": 1e3 * (engine.stats.mask_s - before.mask_s) / max(1, engine.stats.masked_steps
+                                                                               - before.masked_steps),
     }
 
 

@@ -325,6 +325,28 @@ def cmd_client_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_constraint(args: argparse.Namespace, model: Any) -> tuple[str, Any] | None:
+    """bench's --json-schema as a grammar, and the tokenizer its masks are made for (--tokenizer's, of a model
+    whose own llguidance cannot read: a random model's); None without --json-schema."""
+    if not args.json_schema:
+        if args.tokenizer:
+            raise InputError("--tokenizer is for --json-schema: it gives the masks a tokenizer llguidance reads")
+        return None
+    from jaxserve.checkpoint.tokenizer import tokenizer_from_hf_dir
+    from jaxserve.engine import validation
+
+    try:
+        with open(args.json_schema) as f:
+            grammar = validation.constraint("json_schema", f.read(), "--json-schema")
+    except OSError as e:
+        raise InputError(f"--json-schema {args.json_schema!r}: {e.strerror}") from None
+    tokenizer = tokenizer_from_hf_dir(args.tokenizer) if args.tokenizer else model.tokenizer
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise InputError(f"--tokenizer {args.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"{model.config.vocab_size}")
+    return grammar, tokenizer
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from jaxserve.bench import bench_config, run_bench
 
@@ -347,6 +369,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             cfg = dataclasses.replace(cfg, attention=args.attention)
     launch.join(args)
     model = _load(args)
+    grammar = _bench_constraint(args, model)
+    if grammar is not None and args.tokenizer:
+        model = dataclasses.replace(model, tokenizer=grammar[1])
     if not args.config:
         cfg = bench_config(args.num_requests, args.input_len, args.output_len, max_slots=args.max_slots,
                            attention=args.attention or "auto", parallel=parallel_from_args(args))
@@ -359,7 +384,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, **sampling_extras(args))
-    result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg, params=params)
+    constrained = None if grammar is None else dataclasses.replace(params, grammar=grammar[0])
+    result = run_bench(model, args.num_requests, args.input_len, args.output_len, cfg, params=params,
+                       constrained=constrained, rounds=args.rounds)
     if result is None:  # a follower
         return 0
     if args.json:
@@ -449,6 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="size the KV pages from the device's memory: this share of it in all (GPU/TPU; default: "
                             "every slot's full length)")
     bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json-schema", default=None, metavar="PATH",
+                       help="structured output: the load unconstrained and with every request's output constrained to "
+                            "this JSON schema, alternating (--rounds), each one's median run and their ratio")
+    bench.add_argument("--rounds", type=int, default=1, help="with --json-schema: rounds of the two loads")
+    bench.add_argument("--tokenizer", default=None, metavar="DIR",
+                       help="with --json-schema: a tokenizer.json directory whose tokens the masks follow, for a "
+                            "model whose own tokenizer llguidance cannot read (random:NAME's)")
     sampling(bench, lengths=False)
     bench.set_defaults(func=cmd_bench)
 

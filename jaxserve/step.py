@@ -31,7 +31,15 @@ from jaxserve.engine.engine import Engine
 from jaxserve.errors import JaxserveError
 from jaxserve.model.attention import AttentionFn
 from jaxserve.model.kv_cache import KVCache, page_dtype
-from jaxserve.model.sampler import SAMPLING_INPUTS, commit, greedy, prompt_logprobs, sample_fn, verify_fn
+from jaxserve.model.sampler import (
+    SAMPLING_INPUTS,
+    commit,
+    greedy,
+    masked_greedy_fn,
+    prompt_logprobs,
+    sample_fn,
+    verify_fn,
+)
 from jaxserve.model.transformer import decode_stacked, forward, head_logits
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding
@@ -235,6 +243,7 @@ def stacked_step_fn(params: tuple[Weights, StackedLayers], state: DeviceState, i
 # max_slots), so engines of the same model share its compilations.
 SAMPLERS = {(sort, top): jax.jit(partial(sample_fn, sort=sort, top=top), donate_argnums=(1,))
             for sort in (False, True) for top in (False, True)}
+MASKED_GREEDY = jax.jit(masked_greedy_fn, donate_argnums=(1,))
 VERIFIERS = {(sort, top): jax.jit(partial(verify_fn, sort=sort, top=top), donate_argnums=(1,))
              for sort in (False, True) for top in (False, True)}
 VERIFY_INPUTS = (*SAMPLING_INPUTS, "tokens", "valid")
@@ -344,6 +353,7 @@ class StepRunner:
             self._sample((r, sort, top), logits, padding)
         self._prompt_fns = {(r, width): self._compile_prompt_fn(r, width) for r, width, _ in self.buckets if width > 1}
         self._masked_samplers: dict[tuple[int, bool, bool], Any] = {}
+        self._masked_greedy: dict[int, Any] = {}
         for (r, width, pages) in self.verify_buckets:  # the verifiers, compiled by a first run on padding rows
             blank = StepInput.build([None] * r, width, pages, cfg.max_slots)
             for sort in (False, True):
@@ -503,14 +513,30 @@ class StepRunner:
         computes the masks while the forward runs (jaxserve.engine.engine)."""
         if inp.shape not in self._compiled:
             raise RuntimeError(f"step shape {inp.shape} is not one of the compiled buckets {self.buckets}")
-        _, logits, arrays, prompt = self._forward(inp)
+        unmasked, logits, arrays, prompt = self._forward(inp)
         variant = (inp.shape[0], inp.sorts, bool(inp.want_top.any()))
 
         def sample(masks: np.ndarray) -> Callable[[], StepOutput]:
             placed = masks if self.plan is None else sharding.put(masks, self.plan.replicated())
-            return self._reader(self._sample(variant, logits, arrays, placed), prompt)
+            if inp.samples:
+                return self._reader(self._sample(variant, logits, arrays, placed), prompt)
+            return self._reader(self._sample_masked_greedy(logits, arrays["slots"], placed, unmasked), prompt)
 
         return sample
+
+    def _sample_masked_greedy(self, logits: jax.Array, slots: Any, masks: Any, unmasked: jax.Array) -> jax.Array:
+        """Enqueues `masked_greedy_fn` (compiled at its first use for the row count) on a step's logits."""
+        rows = logits.shape[0]
+        if rows not in self._masked_greedy:
+            fn: Any = MASKED_GREEDY
+            if self.plan is not None:
+                replicated = self.plan.replicated()
+                fn = jax.jit(masked_greedy_fn, donate_argnums=(1,), out_shardings=(replicated, replicated),
+                             in_shardings=(self._logits_sharding(rows), replicated, replicated, replicated, replicated))
+            self._masked_greedy[rows] = fn
+        packed, last_tokens = self._masked_greedy[rows](logits, self.state.last_tokens, slots, masks, unmasked)
+        self.state = self.state._replace(last_tokens=last_tokens)
+        return packed
 
     def _reader(self, packed: jax.Array, prompt: jax.Array | None) -> Callable[[], StepOutput]:
         """A dispatched step's result: waits for it and copies it back."""

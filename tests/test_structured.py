@@ -128,7 +128,7 @@ def test_unconstrained_rows_give_what_they_give_alone(smollm, engine):
         "json_schema", {"type": "object", "properties": {"fruit": {"type": "string"}}, "required": ["fruit"]}))])
     for a, m in zip(alone, mixed[:2], strict=True):
         assert m.output_ids == a.output_ids and m.text == a.text
-    assert [lp[0] for lp in mixed[0].logprobs] == pytest.approx([lp[0] for lp in alone[0].logprobs], abs=1e-5)
+    assert [lp[0] for lp in mixed[0].logprobs] == pytest.approx([lp[0] for lp in alone[0].logprobs], abs=1e-4)
     assert engine.stats.masked_steps > before
 
 

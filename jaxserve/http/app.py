@@ -105,7 +105,7 @@ def build_app(front: Frontend, cfg: ServerConfig, metrics: Metrics, *, serving: 
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "send exactly one of prompt and messages")
         ids = await _guard(front.encode_text(body.prompt) if body.prompt is not None else
-                           front.encode_chat([{"role": m.role, "content": m.text()} for m in body.messages or []]))
+                           front.encode_chat([m.as_dict() for m in body.messages or []]))
         return {"count": len(ids), "max_model_len": limits.room, "tokens": ids}
 
     @app.post("/detokenize")

@@ -131,6 +131,20 @@ def sample_fn(logits: jax.Array, last_tokens: jax.Array, counts: jax.Array, in_p
     return commit(chosen, tokens, last_tokens, inp["slots"], (top_ids, top_logprobs))
 
 
+def masked_greedy_fn(logits: jax.Array, last_tokens: jax.Array, slots: jax.Array, allowed: jax.Array,
+                     unmasked: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`sample_fn` with masks for a step whose rows are all greedy without top log-probabilities (the host knows:
+    StepInput.samples is false): each row's most likely allowed token, and its log-probability under the model's
+    own distribution -> (packed, last_tokens). `unmasked` is the step's own packed result (its greedy token and
+    that token's log-probability give each row's log-sum-exp without another pass). No draw or sort to pay for."""
+    tokens, _ = greedy(only_allowed(logits, allowed))
+    rows = jnp.arange(logits.shape[0])
+    lse = logits[rows, unmasked[:, 0].astype(jnp.int32)] - unmasked[:, 1]
+    chosen = logits[rows, tokens] - lse
+    none = (jnp.zeros((len(rows), NUM_TOP), jnp.int32), jnp.zeros((len(rows), NUM_TOP), jnp.float32))
+    return commit(chosen, tokens, last_tokens, slots, none)
+
+
 def only_allowed(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     """The logits [b, vocab] with every token a row's mask does not allow at -inf. allowed [b, ceil(vocab / 32)]
     int32: bit t % 32 of word t // 32 allows token t (jaxserve.engine.grammar's layout; a free row sets every bit)."""
