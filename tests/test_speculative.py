@@ -119,17 +119,22 @@ def test_sampled_tokens_keep_the_target_distribution(smollm):
 
 
 @pytest.mark.gpu
-def test_ngram_speculation_through_the_kernels_on_the_gpu(smollm, prompts):
+def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
     """On a GPU the verify rows attend through the Mosaic GPU decode kernel, a row per query: greedy tokens equal
-    those without speculation."""
+    those without speculation, on a model of head_dim 64 whose prompts repeat themselves."""
+    from jaxserve.checkpoint import load_model
     from jaxserve.step import build_engine
+    from tests.tiny_models import hf_tiny, write_gguf
 
-    cfg = dataclasses.replace(ENGINE, attention="auto")
-    params = [SamplingParams(max_tokens=24)] * 16
-    want = [r.output_ids for r in build_engine(smollm, cfg).generate(prompts[:16], params)]
-    spec = build_engine(smollm, dataclasses.replace(cfg, speculative=NGRAM))
-    assert [r.output_ids for r in spec.generate(prompts[:16], params)] == want
-    assert spec.spec.num_accepted_tokens > 0
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(path, hf_tiny("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2))
+    model = load_model(path, dtype="float32")
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(12)] * 3 for i in range(16)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 16
+    want = [r.output_ids for r in build_engine(model, ENGINE).generate(prompts, params)]
+    spec = build_engine(model, dataclasses.replace(ENGINE, speculative=NGRAM))
+    assert [r.output_ids for r in spec.generate(prompts, params)] == want
+    assert spec.spec.num_drafts > 0
 
 
 @pytest.mark.parametrize("draft", ["embedded", "random:smollm2-135m"])
@@ -148,3 +153,24 @@ def test_greedy_tokens_are_identical_with_a_draft_model(smollm, engines, prompts
     assert rate > 0.97 if draft == "embedded" else rate < 0.5, engine.spec
     pages = engine.scheduler.pages
     assert pages.num_available == pages.num_pages
+
+
+def test_preemption_under_speculation_and_the_spec_decode_metrics(smollm, engines, prompts):
+    """With too few pages for every sequence, speculating requests are preempted and recomputed and still give
+    their greedy tokens; the counters reach the Prometheus registry under vLLM's names."""
+    from prometheus_client import generate_latest
+
+    from jaxserve.server.metrics import Metrics
+    from jaxserve.step import build_engine
+
+    tight = dataclasses.replace(ENGINE, max_slots=8, num_pages=20, speculative=NGRAM)
+    engine = build_engine(smollm, tight)
+    params = [SamplingParams(max_tokens=20)] * 8
+    got = engine.generate(prompts[:8], params)
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.output_ids for r in got] == [r.output_ids for r in engines[0].generate(prompts[:8], params)]
+    metrics = Metrics("m")
+    metrics._engine.engine = engine
+    page = generate_latest(metrics.registry).decode()
+    assert f'jaxserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(engine.spec.num_accepted_tokens)}' \
+        in page and 'jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in page

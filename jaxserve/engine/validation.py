@@ -136,7 +136,7 @@ def messages(value: Any, limits: Limits, name: str = "messages") -> list[dict[st
 def sampling(limits: Limits, *, max_tokens: Any = None, temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
              seed: Any = 0, stop: Any = (), stop_token_ids: Any = (), ignore_eos: Any = False, logprobs: Any = 0,
              presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, repetition_penalty: Any = 1.0, min_p: Any = 0.0,
-             logit_bias: Any = None, min_tokens: Any = 0, n: Any = 1, prompt_logprobs: Any = None,
+             logit_bias: Any = None, min_tokens: Any = 0, n: Any = 1, prompt_logprobs: Any = None, speculate: Any = None,
              names: dict[str, str] | None = None) -> SamplingParams:
     """SamplingParams from a request's values, each checked; `names` maps a parameter to the surface's field name
     (default: the parameter's own)."""
@@ -191,12 +191,15 @@ def sampling(limits: Limits, *, max_tokens: Any = None, temperature: Any = 0.0, 
     if prompt_logprobs is not None and (not _is_int(prompt_logprobs) or not 0 <= prompt_logprobs <= limits.max_logprobs):
         raise InvalidArgument(f"{name('prompt_logprobs')}={_show(prompt_logprobs)} must be between 0 and "
                               f"{limits.max_logprobs} (or absent)")
+    if speculate is not None and not isinstance(speculate, bool):
+        raise InvalidArgument(f"{name('speculate')}={_show(speculate)} must be true, false or absent (the server's "
+                              "default)")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                           seed=seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos,
                           logprobs=logprobs, presence_penalty=float(presence_penalty),
                           frequency_penalty=float(frequency_penalty), repetition_penalty=float(repetition_penalty),
                           min_p=float(min_p), logit_bias=_logit_bias(logit_bias, limits, name("logit_bias")),
-                          min_tokens=min_tokens, n=n, prompt_logprobs=prompt_logprobs)
+                          min_tokens=min_tokens, n=n, prompt_logprobs=prompt_logprobs, speculate=speculate)
 
 
 def _logit_bias(value: Any, limits: Limits, name: str) -> tuple[tuple[int, float], ...]:

@@ -230,7 +230,7 @@ def _children(body: Any, prompts: list[list[int]], limits: Limits, chat: bool, l
                 stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                 repetition_penalty=body.repetition_penalty, min_p=body.min_p, logit_bias=body.logit_bias,
-                min_tokens=body.min_tokens, n=body.n, prompt_logprobs=prompt_logprobs,
+                min_tokens=body.min_tokens, n=body.n, prompt_logprobs=prompt_logprobs, speculate=body.speculate,
                 names={"max_tokens": "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"})
             validation.fits(len(ids), params, limits)
         except InputError as e:

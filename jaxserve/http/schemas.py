@@ -43,6 +43,7 @@ class _Sampling(BaseModel):
     min_p: float = 0.0  # vLLM's
     min_tokens: int = 0  # vLLM's
     prompt_logprobs: int | None = None  # vLLM's: each choice then carries `prompt_logprobs`
+    speculate: bool | None = None  # jaxserve's: speculative decoding on or off for this request (absent: the server's)
     # not implemented: see OFF_VALUES
     best_of: int | None = None
     # structured output (jaxserve.engine.grammar): OpenAI's {"type": "json_object"} or {"type": "json_schema",

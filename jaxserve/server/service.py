@@ -178,7 +178,7 @@ def _sampling(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
     names = {key: f"sampling.{key}" for key in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                                                  "stop_token_ids", "ignore_eos", "logprobs", "presence_penalty",
                                                  "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-                                                 "min_tokens", "n", "prompt_logprobs")}
+                                                 "min_tokens", "n", "prompt_logprobs", "speculate")}
     return validation.sampling(limits, max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
                                temperature=s.temperature, top_k=s.top_k,
                                top_p=s.top_p if s.HasField("top_p") else 1.0, seed=s.seed, stop=list(s.stop),
@@ -187,7 +187,8 @@ def _sampling(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
                                repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
                                min_p=s.min_p, logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens,
                                n=s.n if s.HasField("n") else 1,
-                               prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None, names=names)
+                               prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+                               speculate=s.speculate if s.HasField("speculate") else None, names=names)
 
 
 def _constraint(s: pb.SamplingParams) -> validation.Constraint | None:
