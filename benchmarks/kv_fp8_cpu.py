@@ -32,7 +32,7 @@ def main() -> None:
     from jaxserve.checkpoint import embedded_model_path, load_model
     from jaxserve.config import SamplingParams, engine_config_for
     from jaxserve.perplexity import perplexity
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     model = load_model(embedded_model_path(), dtype="float32")
     with open(TEXT, encoding="utf-8") as f:

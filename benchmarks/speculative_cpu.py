@@ -29,7 +29,7 @@ def main() -> None:
 
     from jaxserve.checkpoint import embedded_model_path, load_model
     from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     model = load_model(embedded_model_path(), dtype="float32")
     with open(os.path.join(os.path.dirname(__file__), "data", "grounded_prompts.jsonl")) as f:

@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--widths", default="2,3,4,5,6,7,8", help="k + 1: the last token and k drafts")
     ap.add_argument("--context", type=int, default=1024, help="positions each row has cached")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--draft", default="random:llama3-1b", help="a draft model whose one-token step is timed too")
     ap.add_argument("--out", default="benchmarks/results/verify_gpu.jsonl")
     args = ap.parse_args()
     batches, widths = [int(b) for b in args.batches.split(",")], [int(w) for w in args.widths.split(",")]
@@ -32,7 +33,8 @@ def main() -> None:
     from jaxserve.config import EngineConfig, SpeculativeConfig
     from jaxserve.engine.batch import StepInput
     from jaxserve.launch import load_model
-    from jaxserve.step import VERIFIERS, StepRunner, verify_step_fn
+    from jaxserve.runner import VERIFIERS, StepRunner
+    from jaxserve.step import verify_step_fn
 
     pages = -(-(args.context + max(widths)) // 16)
     cfg = EngineConfig(max_slots=max(batches), page_size=16, num_pages=max(batches) * pages, max_pages_per_slot=pages,
@@ -54,8 +56,14 @@ def main() -> None:
         inp.page_table[:] = np.arange(rows * pages).reshape(rows, pages)
         return inp
 
+    draft = StepRunner(load_model(args.draft, dtype="bfloat16", quantize=None, engine=cfg), cfg) if args.draft else None
     for rows in batches:
         one = dispatched_back_to_back(runner, inputs(rows, 1), args.steps)[1]
+        if draft is not None:  # a draft model's cost per proposed token: its one-token step
+            seconds = dispatched_back_to_back(draft, inputs(rows, 1), args.steps)[1]
+            print(json.dumps(record(args.out, "draft_step", {"model": args.draft, "target": args.model, "batch": rows,
+                                                             "context": args.context}, "step_s", seconds, "s",
+                                    "the target's one-token step, same run", one, higher_is_better=False)), flush=True)
         for width in widths:
             inp = inputs(rows, width)
 

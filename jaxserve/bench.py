@@ -15,7 +15,7 @@ from jaxserve import launch
 from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams, chunks_for, sequence_parallel_chunks
 from jaxserve.engine.engine import Engine
-from jaxserve.step import release_followers
+from jaxserve.runner import release_followers
 
 
 def bench_config(num_requests: int, input_len: int, output_len: int, *, max_slots: int | None = None,

@@ -117,7 +117,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxserve.config import SamplingParams, engine_config_for
-    from jaxserve.step import release_followers
+    from jaxserve.runner import release_followers
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, **sampling_extras(args))
@@ -284,7 +284,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engines.append(engine)
         return engine, model_info(model, engine, cfg, dtype=str(model.weights.final_norm.dtype))
 
-    from jaxserve.step import compilation_count, release_followers
+    from jaxserve.runner import compilation_count, release_followers
 
     logging.getLogger("jaxserve").setLevel(logging.INFO)  # start-up progress: loading, each bucket compiled
     code = serve(cfg, load, compilations=compilation_count)

@@ -71,7 +71,7 @@ def load_model(path: str | None, *, dtype: str | None, quantize: QuantConfig | N
 def engine_or_follow(model: Any, cfg: EngineConfig) -> Any:
     """The leader's engine for `model`, every bucket compiled; on a follower, runs the leader's steps until the
     leader closes and returns None."""
-    from jaxserve.step import StepRunner, build_engine
+    from jaxserve.runner import StepRunner, build_engine
 
     if is_follower():
         StepRunner(model, cfg).follow()

@@ -9,7 +9,7 @@ from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import SamplingParams, engine_config_for
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.transformer import ForwardOutput, forward
-from jaxserve.step import build_engine
+from jaxserve.runner import build_engine
 
 
 def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingParams, **engine_kw) -> list:

@@ -9,7 +9,7 @@ import pytest
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.errors import JaxserveError
-from jaxserve.step import build_engine
+from jaxserve.runner import build_engine
 from tests.tiny_models import hf_tiny, write_gguf
 
 # Two prompts of different lengths: one prefill chunk each (padded to the kernels' 128-query tile,

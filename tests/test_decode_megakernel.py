@@ -229,7 +229,7 @@ def test_engine_decoding_through_the_megakernel_generates_what_it_generates_with
     from jaxserve.checkpoint import LoadedModel
     from jaxserve.config import EngineConfig, SamplingParams
     from jaxserve.errors import JaxserveError
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=256, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True)
@@ -260,7 +260,7 @@ def test_engine_decodes_through_the_megakernel_on_the_gpu(tmp_path_factory, page
     the K/V that prefill and its own earlier steps wrote."""
     from jaxserve.checkpoint import LoadedModel, load_model
     from jaxserve.config import EngineConfig, SamplingParams
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
     from tests.tiny_models import hf_tiny, write_gguf
 
     assert jax.default_backend() == "gpu"

@@ -18,7 +18,7 @@ from jaxserve.checkpoint import LoadedModel
 from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
 from jaxserve.errors import JaxserveError
 from jaxserve.model.weights import random_weights
-from jaxserve.step import build_engine, compilation_count
+from jaxserve.runner import build_engine, compilation_count
 
 pytestmark = pytest.mark.slow
 
@@ -186,7 +186,7 @@ def test_engine_thread_streams_updates_through_outboxes(smollm, alone_engine):
 def test_no_step_branches_on_a_device_value(small):
     """XLA's GPU conditional (and loop) blocks the host until the stream reaches it: a step has neither. Sampling,
     where the random draws may loop, runs after the step, only for steps where a row samples."""
-    from jaxserve.step import StepRunner
+    from jaxserve.runner import StepRunner
 
     runner = StepRunner(small, EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4,
                                             chunk_buckets=(16,)))
@@ -200,7 +200,7 @@ def test_no_step_branches_on_a_device_value(small):
 def test_kv_pages_sized_from_device_memory():
     """kv_memory_fraction: the pages that fit in that share of every device's limit beside what is in use, in
     multiples of the sequence axis, less the padding page; too few for one slot is an error naming the figures."""
-    from jaxserve.step import pages_in_memory
+    from jaxserve.runner import pages_in_memory
 
     gib = 2**30
     one = [{"bytes_limit": 80 * gib, "bytes_in_use": 16 * gib}]
@@ -229,7 +229,7 @@ def test_float8_kv_cache_answers_paris(smollm):
 
 
 def test_kv_memory_fraction_needs_a_device_that_reports_memory(small):
-    from jaxserve.step import StepRunner
+    from jaxserve.runner import StepRunner
 
     cfg = EngineConfig(max_slots=2, page_size=16, num_pages=8, max_pages_per_slot=4, chunk_buckets=(16,),
                        kv_memory_fraction=0.9)

@@ -12,7 +12,7 @@ import pytest
 from jaxserve.checkpoint import load_model
 from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.engine.engine import Engine, Update
-from jaxserve.step import StepRunner, build_engine
+from jaxserve.runner import StepRunner, build_engine
 from tests.tiny_models import write_gguf
 
 POISON = 99  # the token whose embedding row is NaN

@@ -12,8 +12,8 @@ import pytest
 
 from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.runner import build_engine
 from jaxserve.server.server import Server
-from jaxserve.step import build_engine
 from tests.helpers import wait_until
 from tests.test_server import start_server as serve_on
 

@@ -15,7 +15,7 @@ from jaxserve.config import BatchConfig, EngineConfig, SamplingParams, ServerCon
 from jaxserve.engine.validation import Limits
 from jaxserve.jobs.input import parse_line, read_lines
 from jaxserve.jobs.runner import BatchJob
-from jaxserve.step import build_engine
+from jaxserve.runner import build_engine
 from tests.test_jobs import comparable, read_output, write_lines
 
 pytestmark = pytest.mark.slow

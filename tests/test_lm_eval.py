@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.runner import build_engine
 from jaxserve.server.server import Server, model_info
-from jaxserve.step import build_engine
 from tests.helpers import free_port
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ from jaxserve.checkpoint import LoadedModel, save_model
 from jaxserve.cli import build_parser, parallel_from_args
 from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig, SamplingParams, engine_config_for
 from jaxserve.model.weights import random_weights
-from jaxserve.step import build_engine
+from jaxserve.runner import build_engine
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jax.device_count() < 12, reason="needs 12 devices (XLA_FLAGS, see tests/conftest.py)")]

@@ -18,7 +18,7 @@ TEXT = ("The history of the city begins with a small village on the river, where
 
 @pytest.fixture(scope="module")
 def engine(smollm):
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     # 16-token chunks: a prompt of ~40 tokens crosses two chunk boundaries
     return build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=96, max_pages_per_slot=8,
@@ -99,7 +99,7 @@ def test_prompt_logprobs_equal_transformers_across_chunks(engine, prompt, hf_mod
 
 
 def test_no_compilation_after_warm_up_under_every_parameter(engine, prompt):
-    from jaxserve.step import compilation_count
+    from jaxserve.runner import compilation_count
 
     mixes = [SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1),
              SamplingParams(max_tokens=6, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),

@@ -26,8 +26,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from jaxserve.client import TLS, AsyncClient, Client
 from jaxserve.config import EngineConfig, ServerConfig
 from jaxserve.engine.engine import Engine
+from jaxserve.runner import build_engine, compilation_count
 from jaxserve.server.server import Server, model_info
-from jaxserve.step import build_engine, compilation_count
 from tests import certs
 from tests.helpers import free_port, wait_until
 

@@ -24,7 +24,7 @@ PASSAGES = ["The quick brown fox jumps over the lazy dog, and the dog sleeps in 
 
 @pytest.fixture(scope="module")
 def engines(smollm):
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     return build_engine(smollm, ENGINE), build_engine(smollm, dataclasses.replace(ENGINE, speculative=NGRAM))
 
@@ -124,7 +124,7 @@ def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
     """On a GPU the verify rows attend through the Mosaic GPU decode kernel, a row per query: greedy tokens equal
     those without speculation, on a model of head_dim 64 whose prompts repeat themselves."""
     from jaxserve.checkpoint import load_model
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
     from tests.tiny_models import hf_tiny, write_gguf
 
     path = str(tmp_path / "tiny.gguf")
@@ -146,7 +146,7 @@ def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
 def test_greedy_tokens_are_identical_with_a_draft_model(smollm, engines, prompts, embedded_path, draft):
     """A draft equal to the target has every draft accepted; a random draft of the same vocabulary has most
     rejected. Either way the tokens are the target's."""
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     plain = engines[0]
     spec = SpeculativeConfig(method="draft", num_tokens=3, model=embedded_path if draft == "embedded" else draft)
@@ -165,8 +165,8 @@ def test_preemption_under_speculation_and_the_spec_decode_metrics(smollm, engine
     their greedy tokens; the counters reach the Prometheus registry under vLLM's names."""
     from prometheus_client import generate_latest
 
+    from jaxserve.runner import build_engine
     from jaxserve.server.metrics import Metrics
-    from jaxserve.step import build_engine
 
     tight = dataclasses.replace(ENGINE, max_slots=8, num_pages=20, speculative=NGRAM)
     engine = build_engine(smollm, tight)

@@ -19,7 +19,7 @@ from jaxserve.client import Client
 from jaxserve.config import BatchConfig, EngineConfig, SamplingParams
 from jaxserve.engine.grammar import compile_grammar
 from jaxserve.jobs.runner import BatchJob
-from jaxserve.step import build_engine
+from jaxserve.runner import build_engine
 from tests.helpers import free_port
 from tests.test_jobs import read_output, write_lines
 from tests.test_server import start_server

@@ -94,7 +94,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             summary = Summary(job.input, job.output, shard_index, cfg.num_shards, job.scan.lines, job.scan.lines, 0, 0,
                               0, 0, 0.0, job.results.repaired_bytes)
         else:
-            from jaxserve.step import release_followers
+            from jaxserve.runner import release_followers
 
             engine, name = _engine(cfg)
             try:
