@@ -34,7 +34,7 @@ def batch_run(model, prompts: list[list[int]], output_len: int, cfg, workdir: st
     """Runs the prompts as a batch job on a fresh engine; returns its summary."""
     from jaxserve.config import BatchConfig, SamplingParams
     from jaxserve.jobs.runner import BatchJob
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     src = os.path.join(workdir, f"in-{run}.jsonl")
     with open(src, "w") as f:
@@ -91,10 +91,8 @@ def main() -> None:
               "batch_wall_s": [r["wall_s"] for r in batches], "bench_wall_s": [r["wall_s"] for r in benches]}
     row = record(args.out, "batch_cpu", config, "output_tokens_per_s", batch_tps, "tok/s",
                  "jaxserve bench (Engine.generate, same lengths and engine)", bench_tps)
-    print(f"{'':<24}{'output tok/s':>14}")
-    print(f"{'jaxserve batch':<24}{batch_tps:>14.2f}")
-    print(f"{'jaxserve bench':<24}{bench_tps:>14.2f}")
-    print(f"ratio {row['ratio']:.3f} -> {args.out}")
+    print(f"output tok/s: jaxserve batch {batch_tps:.2f}, jaxserve bench {bench_tps:.2f}, ratio {row['ratio']:.3f} "
+          f"-> {args.out}")
 
 
 if __name__ == "__main__":

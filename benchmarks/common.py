@@ -1,4 +1,4 @@
-"""Result records for benchmarks/results/*.jsonl (one JSON object per measurement)."""
+"""Shared by the benchmarks: result records (benchmarks/results/*.jsonl, one JSON object a row) and timing."""
 
 from __future__ import annotations
 
@@ -21,11 +21,20 @@ def dispatched_back_to_back(runner: Any, inp: Any, steps: int) -> tuple[float, f
     return (enqueued - start) / steps, (time.perf_counter() - start) / steps
 
 
-def device_name() -> str:
-    import jax
+def decode_input(rows: int, context: int, pages_per_slot: int, vocab: int) -> Any:
+    """One decode step's StepInput for `rows` slots, each `context` tokens in, over distinct pages."""
+    import numpy as np
 
-    d = jax.devices()[0]
-    return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+    from jaxserve.engine.batch import StepInput
+
+    inp = StepInput.build([None] * rows, 1, pages_per_slot, rows)
+    inp.tokens[:] = np.random.default_rng(0).integers(0, vocab, (rows, 1), dtype=np.int32)
+    inp.slots[:] = np.arange(rows, dtype=np.int32)
+    inp.positions[:] = context
+    inp.valid[:] = True
+    inp.page_table[:] = np.arange(rows * pages_per_slot, dtype=np.int32).reshape(rows, pages_per_slot)
+    inp.prompt_len[:] = context + 1
+    return inp
 
 
 def record(path: str, benchmark: str, config: dict[str, Any], metric: str, value: float, unit: str,
@@ -33,7 +42,9 @@ def record(path: str, benchmark: str, config: dict[str, Any], metric: str, value
     """Appends one measurement; with a baseline, `ratio` is how many times better ours is."""
     import jax
 
-    row: dict[str, Any] = {"benchmark": benchmark, "device": device_name(), "jax_version": jax.__version__,
+    d = jax.devices()[0]
+    row: dict[str, Any] = {"benchmark": benchmark, "device": f"{d.platform}:{getattr(d, 'device_kind', '')}",
+                           "jax_version": jax.__version__,
                            "date": datetime.date.today().isoformat(), "config": config, "metric": metric,
                            "value": value, "unit": unit}
     if baseline is not None and baseline_value:
@@ -43,6 +54,14 @@ def record(path: str, benchmark: str, config: dict[str, Any], metric: str, value
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     return row
+
+
+def print_rows(rows: list[dict], keys: tuple[str, ...] = ()) -> None:
+    """Recorded rows as a table: benchmark, the config's `keys`, metric, value and unit, then baseline and ratio."""
+    for r in rows:
+        config = " ".join(f"{k}={r['config'][k]}" for k in keys if k in r["config"])
+        vs = f" {r['baseline_value']:>11.4g} {r['ratio']:>7.3f}x  {r['baseline']}" if "ratio" in r else ""
+        print(f"{r['benchmark']:<38} {config:<36} {r['metric']:<34} {r['value']:>11.4g} {r['unit']:<8}{vs}", flush=True)
 
 
 def timed(fn: Any, *args: Any, reps: int = 5, inner: int = 1) -> float:
@@ -85,31 +104,24 @@ class ClockLog:
     bandwidth-bound ones do not, so a ratio between the two should carry the clocks it ran at. `summary()` is None
     where nvidia-smi is missing or gave nothing."""
 
-    QUERY = "clocks.sm,clocks_throttle_reasons.active"
-
     def __init__(self, period: float = 1.0):
         import threading
 
-        self.period, self.samples = period, []
-        self._stop = threading.Event()
+        self.period, self.samples, self._stop = period, [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _sample(self) -> tuple[int, str] | None:
+    def _run(self) -> None:
         import subprocess
 
-        try:
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
-                                  "--id=0"], capture_output=True, text=True, timeout=10, check=True).stdout
-            mhz, reasons = (field.strip() for field in out.strip().splitlines()[0].split(","))
-            return int(mhz), reasons
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            return None
-
-    def _run(self) -> None:
         while not self._stop.is_set():
-            if (sample := self._sample()) is None:
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks_throttle_reasons.active",
+                                      "--format=csv,noheader,nounits", "--id=0"], capture_output=True, text=True,
+                                     timeout=10, check=True).stdout
+                mhz, reasons = (field.strip() for field in out.strip().splitlines()[0].split(","))
+                self.samples.append((int(mhz), reasons))
+            except (OSError, subprocess.SubprocessError, ValueError, IndexError):
                 return
-            self.samples.append(sample)
             self._stop.wait(self.period)
 
     def __enter__(self) -> ClockLog:
@@ -121,8 +133,6 @@ class ClockLog:
         self._thread.join()
 
     def summary(self) -> dict[str, Any] | None:
-        if not self.samples:
-            return None
         mhz = [m for m, _ in self.samples]
         return {"sm_mhz_min": min(mhz), "sm_mhz_max": max(mhz), "samples": len(mhz),
-                "throttle_reasons": sorted({r for _, r in self.samples})}
+                "throttle_reasons": sorted({r for _, r in self.samples})} if mhz else None

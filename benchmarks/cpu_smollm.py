@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import print_rows, record  # noqa: E402
 
 
 def main() -> None:
@@ -64,10 +64,7 @@ def main() -> None:
         rows.append(record(args.out, f"cpu_engine_batching_{input_len}in_{output_len}out", cfg, "output_tokens_per_s",
                            many_tps, "tok/s", "1 request", one_tps))
 
-    print(f"{'benchmark':<34}{'metric':<22}{'jaxserve':>12}{'baseline':>12}{'ratio':>8}  baseline")
-    for r in rows:
-        print(f"{r['benchmark']:<34}{r['metric']:<22}{r['value']:>12.3f}{r['baseline_value']:>12.3f}"
-              f"{r['ratio']:>8.2f}  {r['baseline']}")
+    print_rows(rows)
 
 
 def single_vs_transformers(args, model, path: str) -> list[dict]:

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import print_rows, record  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "heldout_public_domain.txt")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -50,7 +50,7 @@ def main() -> None:
     from jaxserve.config import QuantConfig, SamplingParams, engine_config_for
     from jaxserve.model.quant import linear_bytes
     from jaxserve.perplexity import perplexity
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     path = embedded_model_path()
     qcfg = QuantConfig(mode="int8")
@@ -93,11 +93,7 @@ def main() -> None:
     rows.append(record(args.out, "int8_greedy_agreement", cfg, "teacher_forced_equal_share", sum(forced) / len(forced),
                        "fraction"))
 
-    print(f"{'benchmark':<26}{'metric':<22}{'int8':>14}{'baseline':>14}{'ratio':>8}  baseline")
-    for r in rows:
-        base_value = r.get("baseline_value")
-        print(f"{r['benchmark']:<26}{r['metric']:<22}{r['value']:>14.4f}"
-              + (f"{base_value:>14.4f}{r['value'] / base_value:>8.4f}  {r['baseline']}" if base_value else ""))
+    print_rows(rows)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@
 1. The quantized-matmul kernel (Mosaic GPU) against float64 truth and the XLA path, on the 8B
    layer shapes at 1, 8 and 64 rows, with kernel-only timings (device time, no dispatch).
 2. Decode steps through jaxserve's own step function (`jaxserve.step.step_fn`: forward over the
-   paged KV cache, then sampling), jit-compiled as the engine compiles it, for batch 1 and 64:
-   bfloat16 weights, int8 weights (the Pallas kernel where it applies: backend "auto"), and int8
-   through XLA (backend "reference"). Ratios are against bfloat16 measured in the same run.
+   paged KV cache, then sampling), compiled as the engine compiles it, for batch 1 and 64, timed
+   alternated: bfloat16 weights, int8 weights (the Pallas kernel where it applies: backend "auto"),
+   int8 through XLA (backend "reference") and, with `int8_megakernel`, the engine's decode_megakernel
+   step (`stacked_step_fn`: every layer in one kernel, batch 1), whose logits are checked against the
+   int8 step's. Ratios are against bfloat16 measured in the same run.
 
 Random weights are generated on the device (nothing large travels). Usage:
 
     PYTHONPATH=. python3 benchmarks/int8_gpu.py             # H100: writes benchmarks/results/int8_gpu.jsonl
+    PYTHONPATH=. python3 benchmarks/int8_gpu.py --skip-kernel --batches 1 --steps 50 --variants bfloat16,int8,int8_megakernel
+        # the megakernel's step: 16-position pages by default, `--page-size 128` as configs/serve-int8-latency.yaml
     PYTHONPATH=. python3 benchmarks/int8_gpu.py --smoke     # a tiny config on CPU (kernels interpreted)
 
 Each decode variant compiles the whole 32-layer step once per batch size; where one command has a
@@ -20,7 +24,6 @@ time limit, split the run: `--batches ""` (kernel part only), then `--skip-kerne
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import sys
@@ -32,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import ClockLog, record, repeated, timed  # noqa: E402
+from benchmarks.common import ClockLog, decode_input, print_rows, record, repeated, timed  # noqa: E402
 from jaxserve.checkpoint.random_model import PRESETS  # noqa: E402
-from jaxserve.config import EngineConfig, ModelConfig, QuantConfig  # noqa: E402
-from jaxserve.engine.batch import StepInput  # noqa: E402
+from jaxserve.config import EngineConfig, QuantConfig  # noqa: E402
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache  # noqa: E402
 from jaxserve.model.quant import linear_bytes, quantize_weights, with_backend  # noqa: E402
 from jaxserve.model.weights import param_bytes, random_weights  # noqa: E402
@@ -50,50 +53,24 @@ LLAMA_8B = PRESETS["llama3-8b"]
 SMOKE = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=64, max_position_embeddings=1024)
 PAGE_SIZE = EngineConfig.page_size  # the engine's default
+KEYS = ("layer", "m", "group", "batch", "weights", "error")  # of a row's config, printed in the table
 
 
-def decode_inputs(batch: int, context: int, pages_per_slot: int, vocab: int) -> dict[str, np.ndarray]:
-    """One decode step's StepInput for `batch` slots, each `context` tokens in, over distinct pages."""
-    rng = np.random.default_rng(0)
-    inp = StepInput.build([None] * batch, 1, pages_per_slot, batch)
-    inp.tokens[:] = rng.integers(0, vocab, (batch, 1), dtype=np.int32)
-    inp.slots[:] = np.arange(batch, dtype=np.int32)
-    inp.positions[:] = context
-    inp.valid[:] = True
-    inp.page_table[:] = np.arange(batch * pages_per_slot, dtype=np.int32).reshape(batch, pages_per_slot)
-    inp.prompt_len[:] = context + 1
-    return vars(inp)
-
-
-def compile_step(cfg: ModelConfig, weights, state: DeviceState, inp, options: dict | None = None,
-                 page_size: int = PAGE_SIZE, pages: int = 0):
-    """step_fn for these shapes, compiled as the engine compiles its buckets (the state donated), with XLA's compiler
-    `options` if given. `inp`: the inputs as a dict, or a decode step's packed into one array as the engine sends
-    them (pack_step_input, with `pages` columns of page table; the jit unpacks them on the device, as the engine's does).
+def decode_step(cfg: ModelConfig, weights, batch: int, context: int, kv_dtype=jnp.bfloat16,
+                page_size: int = PAGE_SIZE):
+    """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, compiled as the
+    engine compiles its buckets (the state donated; the inputs one packed array, unpacked on the device), run once.
     Weights given as (weights, stacked layers): the engine's decode_megakernel step (stacked_step_fn)."""
-    fn = (functools.partial(stacked_step_fn, cfg=cfg, attention="auto", page_size=page_size)
-          if isinstance(weights, tuple)
-          else functools.partial(step_fn, cfg=cfg))
-    if isinstance(inp, np.ndarray):
-        step = fn
-
-        def fn(weights, state, packed):
-            return step(weights, state, unpack_step_input(packed, 1, pages))
-    return jax.jit(fn, donate_argnums=(1,)).lower(weights, state, inp).compile(compiler_options=options)
-
-
-def decode_step(cfg: ModelConfig, weights, batch: int, context: int, options: dict | None = None,
-                kv_dtype=jnp.bfloat16, page_size: int = PAGE_SIZE):
-    """(compiled step, state, inputs) of a decode step of `batch` rows, each `context` tokens in, through
-    step_fn compiled like the engine's steps (the state donated, the inputs one packed array; `options` as in
-    compile_step), run once."""
     pages = -(-(context + 1) // page_size)
     cache = KVCache.zeros(cfg, batch * pages, page_size, kv_dtype, padding_page=True)  # as the engine's
+    fn = functools.partial(step_fn, cfg=cfg)
     if isinstance(weights, tuple):  # decode_megakernel: the pages stacked, as the engine holds them then
         cache = (stack_pages(cache.k), stack_pages(cache.v))
+        fn = functools.partial(stacked_step_fn, cfg=cfg, attention="auto", page_size=page_size)
     state = DeviceState.zeros(cache, batch, cfg.vocab_size)
-    inp = pack_step_input(StepInput(**decode_inputs(batch, context, pages, cfg.vocab_size)))
-    step = compile_step(cfg, weights, state, inp, options, page_size, pages)
+    inp = pack_step_input(decode_input(batch, context, pages, cfg.vocab_size))
+    step = jax.jit(lambda w, st, packed: fn(w, st, unpack_step_input(packed, 1, pages)),
+                   donate_argnums=(1,)).lower(weights, state, inp).compile()
     packed, _, _, state = step(weights, state, inp)
     jax.block_until_ready(packed)
     return step, state, inp
@@ -108,13 +85,10 @@ def run_steps(step, weights, state, inp, steps: int):
     return (time.perf_counter() - t0) / steps, state
 
 
-
 def kernel_checks(cfg: ModelConfig, out: str, smoke: bool) -> list[dict]:
     """The Mosaic GPU kernel against float64 truth on the model's layer shapes, then timed against XLA."""
     rows = []
-    shapes = layer_products(cfg)
-    if smoke:  # interpreted on CPU: one shape, few rows
-        shapes = {"wo": shapes["wo"]}
+    shapes = {"wo": layer_products(cfg)["wo"]} if smoke else layer_products(cfg)  # smoke: interpreted, one shape
     key = jax.random.PRNGKey(1)
     for name, (n, k) in shapes.items():
         values = jax.random.randint(key, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
@@ -163,17 +137,13 @@ def main() -> None:
                     help="weights to time: bfloat16, int8 (kernel where it applies), int8_xla, int8_megakernel (batch "
                          "1: the engine's decode_megakernel step)")
     ap.add_argument("--skip-kernel", action="store_true", help="skip the kernel checks and timings (part 1)")
-    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the model's (a quicker A/B of tilings)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = SMOKE if args.smoke else LLAMA_8B
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     if args.smoke:
         args.steps, args.reps, args.context = 2, 1, 40
     out = args.out or ("/tmp/int8_gpu_smoke.jsonl" if args.smoke else "benchmarks/results/int8_gpu.jsonl")
     model = "8B-shaped Llama, random weights" if not args.smoke else "smoke config"
-    model += f", {cfg.num_layers} layers" if args.layers else ""
     base = {"model": model, "context": args.context, "steps": args.steps}
     if args.page_size != PAGE_SIZE:
         base["page_size"] = args.page_size
@@ -183,7 +153,7 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",") if b]
     if not batches:
-        return print_table(rows)
+        return print_rows(rows, KEYS)
     bf16 = random_weights(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
     int8 = quantize_weights(bf16, QuantConfig(mode="int8"), jnp.bfloat16)
     rows.append(record(out, "int8_param_bytes", base, "parameter_bytes", param_bytes(int8), "bytes", "bfloat16",
@@ -218,48 +188,28 @@ def main() -> None:
         if clocks.summary():
             config["clocks"] = clocks.summary()
             print(f"SM clock during the timings: {clocks.summary()}", flush=True)
-        for name in seconds:
-            if name != "bfloat16":
-                rows.append(record(out, f"int8_decode_batch{batch}", {**config, "weights": name},
-                                   "tokens_per_s", batch / seconds[name], "tok/s", "bfloat16",
-                                   batch / seconds["bfloat16"] if "bfloat16" in seconds else None))
-        if "bfloat16" in seconds:
-            rows.append(record(out, f"int8_decode_batch{batch}", {**config, "weights": "bfloat16"},
-                               "tokens_per_s", batch / seconds["bfloat16"], "tok/s"))
-        rows += kernel_variants_agree(out, {**base, "batch": batch}, steps, variants)
+        bf16_rate = batch / seconds["bfloat16"] if "bfloat16" in seconds else None
+        for name in sorted(seconds, key=lambda name: name == "bfloat16"):  # the baseline's own row last
+            rows.append(record(out, f"int8_decode_batch{batch}", {**config, "weights": name}, "tokens_per_s",
+                               batch / seconds[name], "tok/s", *(("bfloat16", bf16_rate) if name != "bfloat16" else ())))
+        if {"int8", "int8_megakernel"} <= steps.keys():
+            rows.append(megakernel_agrees(out, {**base, "batch": batch}, steps, variants))
         del steps
 
-    print_table(rows)
+    print_rows(rows, KEYS)
 
 
-def kernel_variants_agree(out: str, config: dict, steps: dict, variants: dict) -> list[dict]:
-    """One more step of every variant run on the Pallas kernels ("int8", "int8@..."), its logits against the first
-    one's: every variant has taken the same steps from the same state, so variants that differ only in how their
-    kernels launch must agree bit for bit (a race shows up here); other tilings sum in another order, and
-    float16=0 rounds the activations differently (bfloat16 operands). Runs after the timings are recorded."""
-    names = [name for name in steps if name == "int8" or name.startswith("int8@")]
-    logits = {}
-    for name in names:
-        step, state, inp = steps[name]
-        _, logits[name], _, state = step(variants[name], state, inp)
-        steps[name] = (step, state, inp)
-    rows = []
-    for name in names[1:]:
-        diff = float(jnp.max(jnp.abs(logits[name] - logits[names[0]])))
-        print(f"logits of {name} against {names[0]}: largest difference {diff:.3g}", flush=True)
-        rows.append(record(out, "int8_decode_logits_difference", {**config, "weights": name, "against": names[0]},
-                           "max_abs_difference", diff, "1"))
-    return rows
-
-
-def print_table(rows: list[dict]) -> None:
-    print(f"\n{'benchmark':<36}{'config':<44}{'metric':<20}{'value':>12}{'baseline':>12}{'ratio':>8}")
-    for r in rows:
-        c = r["config"]
-        desc = " ".join(f"{key}={c[key]}" for key in ("layer", "m", "group", "batch", "weights", "error") if key in c)
-        base_value = r.get("baseline_value")
-        print(f"{r['benchmark']:<36}{desc[:43]:<44}{r['metric']:<20}{r['value']:>12.4g}"
-              + (f"{base_value:>12.4g}{r['ratio']:>8.2f}" if base_value else ""))
+def megakernel_agrees(out: str, config: dict, steps: dict, variants: dict) -> dict:
+    """One more step of the int8 step and of the megakernel's, which have taken the same steps from the same state:
+    the megakernel's logits against the served int8 step's (largest error over the largest logit, < 5e-2)."""
+    logits = {name: np.asarray(steps[name][0](variants[name], *steps[name][1:])[1], np.float64)
+              for name in ("int8", "int8_megakernel")}
+    error = float(np.abs(logits["int8_megakernel"] - logits["int8"]).max() / np.abs(logits["int8"]).max())
+    agree = bool((logits["int8_megakernel"].argmax(-1) == logits["int8"].argmax(-1)).all())
+    print(f"megakernel logits against the int8 step's: largest error {error:.2e} of the largest; greedy tokens "
+          f"{'the same' if agree else 'differ'}", flush=True)
+    return record(out, "int8_megakernel_logits_error", {**config, "against": "int8", "greedy_agrees": agree,
+                                                        "ok": error < 5e-2}, "error_vs_max_logit", error, "1")
 
 
 if __name__ == "__main__":

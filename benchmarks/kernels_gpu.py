@@ -1,6 +1,7 @@
 """Attention kernels on a Hopper GPU: flash vs cuDNN and XLA, paged decode vs a device copy and the reference.
 
-Usage: python benchmarks/kernels_gpu.py [--out benchmarks/results/kernels_gpu.jsonl] [--quick]
+    PYTHONPATH=. python3 benchmarks/kernels_gpu.py [--only flash|decode] [--out benchmarks/results/kernels_gpu.jsonl]
+
 Every figure is a ratio against a baseline timed in the same run; the table prints last.
 """
 
@@ -23,15 +24,16 @@ from pallas_kernels.paged_attention import mosaic_gpu as decode_gpu  # noqa: E40
 from pallas_kernels.paged_attention import reference as decode_ref  # noqa: E402
 
 
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def copy_bandwidth() -> float:
-    x = jax.random.normal(jax.random.PRNGKey(0), (512 * 1024 * 1024,), jnp.bfloat16)  # 1 GiB
+def copy_bandwidth(profiled: bool = False) -> float:
+    """Bytes/s of a 1 GiB device copy (read + write), timed from the host or, `profiled`, from its kernel's own
+    time in a profile (no launch or host time)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (512 * 1024 * 1024,), jnp.bfloat16)
     f = jax.jit(lambda x: x + 1)
-    return 2 * x.nbytes / timed(f, x, inner=10)
+    if not profiled:
+        return 2 * x.nbytes / timed(f, x, inner=10)
+    jax.block_until_ready(f(x))
+    seconds, count = kernel_seconds(lambda: [jax.block_until_ready(f(x)) for _ in range(10)], "")
+    return 2 * x.nbytes * count / seconds if seconds else float("nan")
 
 
 def kernel_seconds(run, match: str) -> tuple[float, int]:
@@ -41,15 +43,6 @@ def kernel_seconds(run, match: str) -> tuple[float, int]:
     _, time_by, count_by = device_profile(run)
     names = [n for n in time_by if match in n]
     return sum(time_by[n] for n in names) / 1e9, sum(count_by[n] for n in names)
-
-
-def copy_bandwidth_device() -> float:
-    """The device copy's bandwidth from its kernel's own time in a profile (no launch or host time)."""
-    x = jax.random.normal(jax.random.PRNGKey(0), (512 * 1024 * 1024,), jnp.bfloat16)  # 1 GiB
-    f = jax.jit(lambda x: x + 1)
-    jax.block_until_ready(f(x))
-    seconds, count = kernel_seconds(lambda: [jax.block_until_ready(f(x)) for _ in range(10)], "")
-    return 2 * x.nbytes * count / seconds if seconds else float("nan")
 
 
 def flash_problem(seq: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -92,28 +85,16 @@ def rates_over_placements(fns: dict, copies: list[tuple[jax.Array, ...]], flops:
     return [{name: flops / t / 1e12 for name, t in times.items()} for times in best]
 
 
-def buffer_addresses(copies: list[tuple[jax.Array, ...]], index: int = 1) -> list[str]:
-    """Where each placement's `index`-th array (k) lies."""
-    return [hex(arrays[index].unsafe_buffer_pointer()) for arrays in copies]
-
-
-def median_placement(placed: list[dict[str, float]], num: str, den: str) -> dict[str, float]:
-    """Of each placement's rates {kernel: TFLOP/s}, the one whose num / den ratio is the median (upper middle
-    for an even count)."""
-    return sorted(placed, key=lambda rates: rates[num] / rates[den])[len(placed) // 2]
-
-
-def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (2048, 4096, 8192, 16384),
+def bench_flash(path: str, rows: list, seqs: tuple[int, ...] = (2048, 4096, 8192, 16384),
                 placements: int = 5, rounds: int = 3) -> None:
     """Ours (default block sizes) against cuDNN, alternated, over the same q, k, v at `placements` addresses.
 
-    Once the rates of both kernels moved by up to 10 % from one copy of the inputs to another (the
-    original buffers, timed first, were fastest; whether their address or the timing order did it is not
-    settled), so one copy can make either kernel look faster. Each placement gives one ratio (best of
-    `rounds` alternated timings of each); the row gives the placement with the median ratio (an odd count
-    has one), with every placement's figures and address in its config.
+    Both kernels' rates move by up to 10 % from one copy of the inputs to another, so one copy can make either
+    look faster. Each placement gives one ratio (best of `rounds` alternated timings of each); the row gives the
+    placement with the median ratio (upper middle for an even count), every placement's figures and address in
+    its config.
     """
-    for seq in (2048, 4096) if quick else seqs:
+    for seq in seqs:
         problem = flash_problem(seq)
         q = problem[0]
         b, _, heads, hd = q.shape
@@ -124,16 +105,16 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
             ours = jax.jit(lambda q, k, v, c=causal: flash_gpu.flash_attention(q, k, v, causal=c))
             rates = rates_over_placements({"ours": ours, "cudnn": cudnn}, copies, flops, rounds)
             ratios = [r["ours"] / r["cudnn"] for r in rates]  # in placement order
-            median = median_placement(rates, "ours", "cudnn")
+            median = sorted(rates, key=lambda r: r["ours"] / r["cudnn"])[len(rates) // 2]
             tf_ours, tf_cudnn = median["ours"], median["cudnn"]
-            err = rel_err(ours(*problem), cudnn(*problem))
+            err = testing.relative_error(ours(*problem), np.asarray(cudnn(*problem), np.float64))
             bs = flash_gpu.default_block_sizes(heads // problem[1].shape[2], seq)
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
                           block_k=bs.block_k, stages=bs.stages, heads_per_program=bs.heads_per_program,
                           placements=placements, rounds=rounds,
                           ratios=[round(r, 4) for r in ratios],
                           placement_tflops=[{name: round(t, 1) for name, t in r.items()} for r in rates],
-                          k_addresses=buffer_addresses(copies))
+                          k_addresses=[hex(arrays[1].unsafe_buffer_pointer()) for arrays in copies])
             record(path, "flash_attention", config, "throughput", tf_ours, "TFLOP/s", "cudnn", tf_cudnn)
             xla = jax.jit(lambda q, k, v, c=causal: jax.nn.dot_product_attention(q, k, v, is_causal=c,
                                                                                 implementation="xla"))
@@ -151,23 +132,19 @@ def bench_flash(path: str, rows: list, quick: bool, seqs: tuple[int, ...] = (204
         del copies
 
 
-def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_device: float, ragged: bool = False,
+def bench_decode(path: str, rows: list, copy_bw: float, copy_bw_device: float,
                  batches: tuple[int, ...] = (1, 8, 32, 128), contexts: tuple[int, ...] = (512, 2048, 8192, 32768),
                  kv_dtype: str = "bfloat16") -> None:
-    """ragged: every slot one token short of the context, so each split's last block is partial (masked).
-    Each shape runs the default tiling (num_splits chosen by `default_splits`) and fixed alternatives.
-    kv_dtype float8_e4m3fn: 8-bit pages, converted inside the kernel; bytes are counted at their size."""
+    """Each shape runs the default tiling (num_splits chosen by `default_splits`) and fixed alternatives, the best
+    also profiled. kv_dtype float8_e4m3fn: 8-bit pages, converted inside the kernel; bytes are counted at their size."""
     heads, kv, hd, ps = 32, 8, 128, 16
-    configs = [decode_gpu.BlockSizes(block_k=64, stages=2), decode_gpu.BlockSizes(block_k=64, stages=4),
-               decode_gpu.BlockSizes(block_k=128, stages=2), decode_gpu.BlockSizes(block_k=64, stages=3),
-               decode_gpu.BlockSizes(block_k=64, stages=3, num_splits=2),
-               decode_gpu.BlockSizes(block_k=128, stages=2, num_splits=2),
-               decode_gpu.BlockSizes(block_k=128, stages=2, slots_per_program=1),
-               decode_gpu.BlockSizes(block_k=64, stages=3, slots_per_program=1)]
+    configs = [decode_gpu.BlockSizes(block_k=bk, stages=st, num_splits=sp, slots_per_program=sl) for bk, st, sp, sl in
+               ((64, 2, None, None), (64, 4, None, None), (128, 2, None, None), (64, 3, None, None), (64, 3, 2, None),
+                (128, 2, 2, None), (128, 2, None, 1), (64, 3, None, 1))]
     reps = 20
     rng = np.random.default_rng(0)
     for batch in batches:
-        for ctx in tuple(c for c in contexts if c <= 2048) if quick else contexts:
+        for ctx in contexts:
             pages = ctx // ps
             num_pages = batch * pages
             ks = jax.random.split(jax.random.PRNGKey(batch * ctx), 3)
@@ -175,17 +152,16 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_dev
             vp = jax.random.normal(ks[1], (kv, num_pages, ps, hd), jnp.bfloat16).astype(kv_dtype)
             q = jax.random.normal(ks[2], (batch, heads, hd), jnp.bfloat16)
             table = jnp.asarray(testing.random_page_table(rng, batch, pages, num_pages))
-            lengths = jnp.full((batch,), ctx - 1 if ragged else ctx, jnp.int32)
+            lengths = jnp.full((batch,), ctx, jnp.int32)
             nbytes = 2 * batch * ctx * kv * hd * jnp.dtype(kv_dtype).itemsize
-            ref_fn = jax.jit(decode_ref.paged_attention)
             small = nbytes <= (4 << 30)
-            expect = ref_fn(q, kp, vp, table, lengths) if small else None
+            expect = jax.jit(decode_ref.paged_attention)(q, kp, vp, table, lengths) if small else None
             best = None
             for bs in configs:
                 fn = jax.jit(lambda *a, bs=bs: decode_gpu.paged_attention(*a, block_sizes=bs))
                 try:
                     out = fn(q, kp, vp, table, lengths)
-                    err = rel_err(out, expect) if small else float("nan")
+                    err = testing.relative_error(out, np.asarray(expect, np.float64)) if small else float("nan")
                     t = timed(repeated(lambda *a, bs=bs: decode_gpu.paged_attention(*a, block_sizes=bs), reps),
                               q, kp, vp, table, lengths, reps=5, inner=1) / reps
                 except Exception as e:  # noqa: BLE001
@@ -193,7 +169,7 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_dev
                     continue
                 bw = nbytes / t
                 config = dict(timing="20 calls in one jit", batch=batch, context=ctx, heads=heads, kv_heads=kv,
-                              head_dim=hd, page_size=ps, ragged=ragged,
+                              head_dim=hd, page_size=ps,
                               block_k=bs.block_k, stages=bs.stages, num_splits=bs.num_splits or "default",
                               slots_per_program=bs.slots_per_program or "default",
                               dtype="bfloat16", kv_dtype=kv_dtype, err_vs_reference=err)
@@ -229,9 +205,7 @@ def bench_decode(path: str, rows: list, quick: bool, copy_bw: float, copy_bw_dev
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/kernels_gpu.jsonl")
-    parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=("flash", "decode"))
-    parser.add_argument("--ragged", action="store_true", help="decode lengths one short of the context")
     parser.add_argument("--batches", default="1,8,32,128", help="decode batch sizes")
     parser.add_argument("--seqs", default="2048,4096,8192,16384", help="flash sequence lengths")
     parser.add_argument("--placements", type=int, default=5, help="flash: addresses the same q, k, v are copied to "
@@ -243,14 +217,13 @@ def main() -> None:
         parser.error(f"--placements must be at least 1, got {args.placements}")
     print(jax.devices(), jax.__version__, flush=True)
     rows: list[str] = []
-    copy_bw, copy_bw_device = copy_bandwidth(), copy_bandwidth_device()
+    copy_bw, copy_bw_device = copy_bandwidth(), copy_bandwidth(profiled=True)
     rows.append(f"device copy {copy_bw / 1e12:.2f} TB/s (read + write); its kernel alone {copy_bw_device / 1e12:.2f} TB/s")
-    for name, fn in (("flash", lambda: bench_flash(args.out, rows, args.quick, tuple(map(int, args.seqs.split(","))),
-                                          args.placements)),
-                     ("decode", lambda: [bench_decode(args.out, rows, args.quick, copy_bw, copy_bw_device, args.ragged,
-                                                           tuple(map(int, args.batches.split(","))),
-                                                           tuple(map(int, args.contexts.split(","))), kv_dtype)
-                                         for kv_dtype in args.kv_dtypes.split(",")])):
+    seqs, batches, contexts = (tuple(map(int, x.split(","))) for x in (args.seqs, args.batches, args.contexts))
+    parts = {"flash": lambda: bench_flash(args.out, rows, seqs, args.placements),
+             "decode": lambda: [bench_decode(args.out, rows, copy_bw, copy_bw_device, batches, contexts, kv_dtype)
+                                for kv_dtype in args.kv_dtypes.split(",")]}
+    for name, fn in parts.items():
         if args.only in (None, name):
             try:
                 fn()

@@ -34,15 +34,15 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import record, timed  # noqa: E402
+from benchmarks.common import print_rows, record, timed  # noqa: E402
 from jaxserve.parallel import ring  # noqa: E402
 
 BENCH = "ring_attention_gpu"
 
 
-
-
 class Setup:
+    """The shapes, the 2-device mesh, the three programs timed and their inputs."""
+
     def __init__(self, args: argparse.Namespace) -> None:
         self.heads, self.kv_heads, self.hd = (4, 2, 16) if args.smoke else (32, 8, 128)
         self.tile = args.tile
@@ -54,7 +54,6 @@ class Setup:
         self.n = 2
         self.scale = 1.0 / np.sqrt(self.hd)
 
-    # -- the three programs --------------------------------------------------------------------------
     def single(self):
         def f(q, k, v, pos, valid):
             part = ring.positional_attention(q, pos, k, v, pos, valid, causal=True, scale=self.scale, diagonal=True,
@@ -79,10 +78,12 @@ class Setup:
 
         return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(tokens,) * 4, out_specs=tokens, check_vma=False))
 
-    # -- inputs, made where they live --------------------------------------------------------------
-    def inputs(self, t: int, sharded: bool):
-        where = NamedSharding(self.mesh, PartitionSpec(None, "seq")) if sharded else \
+    def where(self, sharded: bool):
+        return NamedSharding(self.mesh, PartitionSpec(None, "seq")) if sharded else \
             jax.sharding.SingleDeviceSharding(self.devices[0])
+
+    def inputs(self, t: int, sharded: bool):
+        """q, k, v, positions and their validity of a `t`-token context, made where they live."""
         pos = ring.zigzag_order(t, self.n) if sharded else np.arange(t)
 
         def make(key):
@@ -93,11 +94,10 @@ class Setup:
             p = jnp.asarray(pos, jnp.int32)[None]
             return q, k, v, p, p >= 0
 
-        return jax.jit(make, out_shardings=(where,) * 5)(jax.random.key(t))
+        return jax.jit(make, out_shardings=(self.where(sharded),) * 5)(jax.random.key(t))
 
     def abstract(self, t: int, sharded: bool):
-        where = NamedSharding(self.mesh, PartitionSpec(None, "seq")) if sharded else \
-            jax.sharding.SingleDeviceSharding(self.devices[0])
+        where = self.where(sharded)
         shape = lambda h, dt: jax.ShapeDtypeStruct((1, t, h, self.hd) if h else (1, t), dt, sharding=where)  # noqa: E731
         return (shape(self.heads, self.dtype), shape(self.kv_heads, self.dtype), shape(self.kv_heads, self.dtype),
                 shape(0, jnp.int32), shape(0, jnp.bool_))
@@ -114,10 +114,8 @@ class Setup:
 def program_bytes(fn, abstract) -> int | None:
     """Per-device bytes of a compiled program (arguments + outputs + temporaries), from XLA's analysis."""
     stats = fn.lower(*abstract).compile().memory_analysis()
-    if stats is None:
-        return None
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-               - stats.alias_size_in_bytes)
+    return None if stats is None else int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+                                          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
 
 
 def longest_fitting(s: Setup, fn, sharded: bool, budget: int, reserve_per_token: float) -> tuple[int, int] | None:
@@ -173,22 +171,18 @@ def main() -> None:
 
     # 1. the longest contexts that fit
     limit = (s.devices[0].memory_stats() or {}).get("bytes_limit")
-    kv_token = 2 * s.kv_heads * s.hd * 2  # K and V, bf16, one layer
-    reserve = (args.kv_layers - 1) * kv_token
-    if limit:
-        budget = int(args.memory_fraction * limit - args.weights_gb * 1e9)
-        fit1 = longest_fitting(s, single, False, budget, reserve)
-        fit2 = longest_fitting(s, ringed, True, budget, reserve)
-    else:
-        fit1 = fit2 = None
-    if fit1 is None or fit2 is None:  # CPU: no memory limit to fit
+    reserve = (args.kv_layers - 1) * 2 * s.kv_heads * s.hd * 2  # the other layers' K and V of a token, bf16
+    budget = int(args.memory_fraction * (limit or 0) - args.weights_gb * 1e9)
+    fit = {name: longest_fitting(s, fn, name == "ring", budget, reserve) if limit else None
+           for name, fn in (("single", single), ("ring", ringed))}
+    if None in fit.values():  # CPU: no memory limit to fit
         fits = {"single": 16 * s.unit, "ring": 32 * s.unit}
     else:
-        fits = {"single": fit1[0], "ring": fit2[0]}
-        for name, fit in (("single", fit1), ("ring", fit2)):
-            rows.append(record(args.out, BENCH, {**config, "device_bytes_used": fit[1], "device_bytes_limit": limit},
-                               f"{name}_longest_context", fit[0], "tokens",
-                               *(("single", fits["single"]) if name == "ring" else (None, None))))
+        fits = {name: tokens for name, (tokens, _) in fit.items()}
+        for name, (tokens, used) in fit.items():
+            rows.append(record(args.out, BENCH, {**config, "device_bytes_used": used, "device_bytes_limit": limit},
+                               f"{name}_longest_context", tokens, "tokens",
+                               *(("single", fits["single"]) if name == "ring" else ())))
 
     # 2. timing, capped to about --seconds-per-call per call (cost grows with the square of the context)
     probe = 16 * s.unit
@@ -198,12 +192,8 @@ def main() -> None:
     t_ring = max(s.unit, min(fits["ring"], int(np.sqrt(2 * args.seconds_per_call / rate)) // s.unit * s.unit))
     cfg = {**config, "capped_by_time": t_single < fits["single"] or t_ring < fits["ring"],
            "longest_fitting": fits}
-    x1 = s.inputs(t_single, sharded=False)
-    sec_single = timed(single, *x1, reps=args.reps)
-    del x1
-    x2 = s.inputs(t_single, sharded=True)
-    sec_ring_same = timed(ringed, *x2, reps=args.reps)
-    del x2
+    sec_single = timed(single, *s.inputs(t_single, sharded=False), reps=args.reps)
+    sec_ring_same = timed(ringed, *s.inputs(t_single, sharded=True), reps=args.reps)
     x3 = s.inputs(t_ring, sharded=True)
     sec_ring = timed(ringed, *x3, reps=args.reps)
     sec_still = timed(still, *x3, reps=args.reps)
@@ -211,9 +201,8 @@ def main() -> None:
     del x3
     for name, t, sec in (("single", t_single, sec_single), ("ring_same_length", t_single, sec_ring_same),
                          ("ring", t_ring, sec_ring)):
-        extra = ("single", sec_single) if name != "single" else (None, None)
-        rows.append(record(args.out, BENCH, {**cfg, "tokens": t}, f"{name}_prefill_attention", sec, "s", *extra,
-                           higher_is_better=False))
+        rows.append(record(args.out, BENCH, {**cfg, "tokens": t}, f"{name}_prefill_attention", sec, "s",
+                           *(("single", sec_single) if name != "single" else ()), higher_is_better=False))
         rows.append(record(args.out, BENCH, {**cfg, "tokens": t}, f"{name}_tflops_per_device",
                            s.flops(t) / sec / 1e12 / (1 if name == "single" else s.n), "TFLOP/s"))
     rows.append(record(args.out, BENCH, {**cfg, "tokens": t_ring}, "ring_tokens_per_s", t_ring / sec_ring, "tokens/s",
@@ -226,12 +215,7 @@ def main() -> None:
                                 ("ring_exposed_communication", max(0.0, sec_ring - sec_still), "s")):
         rows.append(record(args.out, BENCH, {**cfg, "tokens": t_ring}, metric, value, unit))
 
-    print(f"{'metric':<40} {'tokens':>10} {'value':>14} {'unit':<9} {'vs single':>9}")
-    for r in rows:
-        tokens = r["config"].get("tokens", r["value"] if r["unit"] == "tokens" else "")
-        ratio = f"{r['ratio']:.2f}x" if "ratio" in r else ""
-        print(f"{r['metric']:<40} {tokens!s:>10} {r['value']:>14.6g} {r['unit']:<9} {ratio:>9}")
-    print(f"results appended to {args.out}")
+    print_rows(rows, ("tokens",))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import dispatched_back_to_back, record, timed  # noqa: E402
+from benchmarks.common import decode_input, dispatched_back_to_back, print_rows, record, timed  # noqa: E402
 
 PARTS = {"offline", "peer", "concurrency", "ttft"}
 
@@ -59,7 +59,7 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
 
     import jax
 
-    from jaxserve.step import pages_in_memory
+    from jaxserve.runner import pages_in_memory
 
     gc.collect()  # the previous engine's KV pages, if nothing holds them any more
     stats = jax.devices()[0].memory_stats() or {}
@@ -67,10 +67,7 @@ def slots_that_fit(cfg, pages_per_slot: int, page_size: int, itemsize: int, want
         return wanted
     page_bytes = page_size * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     pages = pages_in_memory([stats], 1 - reserve, page_bytes, 1, reserved=1, at_least=pages_per_slot)
-    slots = min(wanted, pages // pages_per_slot)
-    if slots < wanted:
-        print(f"  memory holds {slots} slots of the {wanted} wanted", flush=True)
-    return slots
+    return min(wanted, pages // pages_per_slot)
 
 
 def engine_config(model, requests: int, input_len: int, output_len: int, reserve: float, chunk: int,
@@ -106,17 +103,8 @@ def engine_config(model, requests: int, input_len: int, output_len: int, reserve
 def decode_step_alone(engine, context: int, steps: int = 20) -> float:
     """Seconds per decode step of the engine's widest bucket (every slot at `context`), dispatched back to back
     with no scheduling between: what the load's inter-token latency would be with no host work at all."""
-    import numpy as np
-
-    from jaxserve.engine.batch import StepInput
-
     cfg = engine.cfg
-    rows, pages = cfg.max_slots, cfg.max_pages_per_slot
-    inp = StepInput.build([None] * rows, 1, pages, rows)
-    inp.slots[:] = np.arange(rows)
-    inp.positions[:] = context
-    inp.valid[:] = True
-    inp.page_table[:] = np.arange(rows * pages).reshape(rows, pages)
+    inp = decode_input(cfg.max_slots, context, cfg.max_pages_per_slot, engine.vocab_size)
     return dispatched_back_to_back(engine.runner, inp, steps)[1]
 
 
@@ -140,12 +128,10 @@ def peer_throughput(cfg, requests: int, input_len: int, output_len: int, batch: 
         model = LlamaForCausalLM(hf).eval()
     rng = np.random.default_rng(seed)
     prompts = torch.as_tensor(rng.integers(0, cfg.vocab_size - 1, (requests, input_len)), device=device)
-    with torch.inference_mode():  # warm-up, not counted: kernels load and autotune
-        model.generate(prompts[:1], attention_mask=torch.ones_like(prompts[:1]), max_new_tokens=4, do_sample=False,
-                       pad_token_id=0)
-    done = 0
-    start = time.perf_counter()
     with torch.inference_mode():
+        model.generate(prompts[:1], attention_mask=torch.ones_like(prompts[:1]), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)  # warm-up, not counted: kernels load and autotune
+        done, start = 0, time.perf_counter()
         for i in range(0, requests, batch):
             ids = prompts[i:i + batch]
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
@@ -153,11 +139,7 @@ def peer_throughput(cfg, requests: int, input_len: int, output_len: int, batch: 
             done += (out.shape[1] - input_len) * ids.shape[0]
     if device == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return done / seconds
+    return done / (time.perf_counter() - start)  # (its own process: the model goes with it)
 
 
 def peer_in_subprocess(args: argparse.Namespace) -> float:
@@ -232,32 +214,29 @@ def main() -> None:
 
     from jaxserve.bench import run_load
     from jaxserve.checkpoint import load_model
-    from jaxserve.step import build_engine
+    from jaxserve.runner import build_engine
 
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     model = load_model(args.model, dtype=dtype)
     cfg = model.config
     print(f"{jax.devices()[0]} jax {jax.__version__}; {args.model}", flush=True)
-    table = []
+    rows = []
     base = {"model": args.model, "dtype": jnp.dtype(dtype).name}
     seeds = itertools.count()  # one per load: an engine's prefix cache would serve a repeated prompt
 
     def load(engine, requests: int, input_len: int, output_len: int) -> dict:
         result = run_load(engine, requests, input_len, output_len, seed=next(seeds))
-        print(f"  {requests} x {input_len}/{output_len}: {result['output_tokens_per_s']:.0f} tok/s, "
-              f"{engine.cfg.max_slots} slots, wall {result['wall_s']:.1f} s, steps {result['engine_steps']}, "
-              f"TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 {result['itl_p50_s'] * 1e3:.1f} ms, "
-              f"waiting on the device {result['device_wait_fraction']:.0%}, host: schedule "
-              f"{result['schedule_fraction']:.0%} dispatch {result['dispatch_fraction']:.0%} commit "
-              f"{result['commit_fraction']:.0%}", flush=True)
+        print(f"  {requests} x {input_len}/{output_len} on {engine.cfg.max_slots} slots: "
+              f"{result['output_tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_s'] * 1e3:.0f} ms, ITL p50 "
+              f"{result['itl_p50_s'] * 1e3:.1f} ms, " + ", ".join(f"{k} {v:.0%}" for k, v in result.items()
+                                                                  if k.endswith("_fraction")), flush=True)
         return result
 
     def build(ecfg):
         start = time.perf_counter()
         engine = build_engine(model, ecfg)
-        buckets = engine.runner.buckets
-        print(f"  engine of {engine.cfg.max_slots} slots, {engine.cfg.num_pages} pages: {len(buckets)} buckets "
-              f"compiled and run once in {time.perf_counter() - start:.0f} s: {buckets}", flush=True)
+        print(f"  engine of {engine.cfg.max_slots} slots, {engine.cfg.num_pages} pages: {engine.runner.buckets} "
+              f"compiled and run once in {time.perf_counter() - start:.0f} s", flush=True)
         return engine
 
     def details(r: dict) -> dict:
@@ -284,35 +263,29 @@ def main() -> None:
 
         if peer is not None:  # the peer's slice of the load, through the engine
             same = at(args.peer_requests)
-            row = record(out, "offline_throughput_vs_transformers", {**details(same), "peer_batch": args.peer_batch,
-                         "peer": "transformers generate out of the box, greedy, same GPU, own process"},
-                         "output_tokens_per_s", same["output_tokens_per_s"], "tok/s", "transformers", peer)
-            table.append(("offline vs transformers", row))
+            rows.append(record(out, "offline_throughput_vs_transformers", {**details(same), "peer_batch": args.peer_batch,
+                               "peer": "transformers generate out of the box, greedy, same GPU, own process"},
+                               "output_tokens_per_s", same["output_tokens_per_s"], "tok/s", "transformers", peer))
         if "offline" in parts:
             ours = at(args.requests)
-            alone = decode_step_alone(engine, args.input_len + args.output_len // 2)
-            print(f"  the widest decode step alone, every slot at {args.input_len + args.output_len // 2} tokens: "
-                  f"{alone * 1e3:.1f} ms", flush=True)
-            ours["decode_step_alone_s"] = alone
-            row = record(out, "offline_throughput", details(ours), "output_tokens_per_s", ours["output_tokens_per_s"],
-                         "tok/s")
-            table.append(("offline throughput", row))
+            ours["decode_step_alone_s"] = decode_step_alone(engine, args.input_len + args.output_len // 2)
+            rows.append(record(out, "offline_throughput", details(ours), "output_tokens_per_s",
+                               ours["output_tokens_per_s"], "tok/s"))
             if peer is not None:  # the whole load against the peer's rate: it runs any load batch after batch
                 batch = min(args.peer_batch, args.peer_requests)
-                row = record(out, "offline_throughput_vs_transformers_rate",
+                rows.append(record(out, "offline_throughput_vs_transformers_rate",
                              {**details(ours), "peer_batch": batch, "peer_requests": args.peer_requests,
                               "peer": f"transformers generate out of the box, greedy, same GPU, own process, timed on "
                                       f"{args.peer_requests} of the requests in batches of {batch}; its rate on the "
                                       f"whole load in such batches is the same; ours runs up to {engine.cfg.max_slots} "
                                       f"at once"},
-                             "output_tokens_per_s", ours["output_tokens_per_s"], "tok/s", "transformers", peer)
-                table.append(("offline (all) vs transformers rate", row))
+                             "output_tokens_per_s", ours["output_tokens_per_s"], "tok/s", "transformers", peer))
         for c in concurrency:
             r = at(c)
             lat = {k: r[k] for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "itl_p99_s")}
-            table.append((f"concurrency {c}", record(out, "throughput_vs_concurrency", {**base, "concurrency": c,
-                          "input_len": args.input_len, "output_len": args.output_len, "max_slots": r["max_slots"],
-                          **lat}, "output_tokens_per_s", r["output_tokens_per_s"], "tok/s")))
+            rows.append(record(out, "throughput_vs_concurrency", {**base, "concurrency": c, "input_len": args.input_len,
+                               "output_len": args.output_len, "max_slots": r["max_slots"], **lat},
+                               "output_tokens_per_s", r["output_tokens_per_s"], "tok/s"))
         del engine, runs
 
     # 3. time to first token alone against its compute floor (one chunk holds the whole prompt; median of 3)
@@ -323,16 +296,10 @@ def main() -> None:
         del engine
         ttft = sorted(ttfts)[1]
         floor = prefill_flops(cfg, args.ttft_len) / matmul_rate(dtype)
-        table.append((f"TTFT {args.ttft_len}", record(out, "ttft_vs_compute_floor", {**base, "prompt_len": args.ttft_len,
-                                                      "runs_s": ttfts, "ttft_over_floor": ttft / floor},
-                                                      "ttft_s", ttft, "s", "compute_floor", floor,
-                                                      higher_is_better=False)))
-
-    print(f"\n{'figure':<36}{'value':>12} {'unit':<7}{'baseline':>12}{'ratio':>8}")
-    for name, row in table:
-        base_v = row.get("baseline_value")
-        print(f"{name:<36}{row['value']:>12.4g} {row['unit']:<7}{(base_v or float('nan')):>12.4g}"
-              f"{row.get('ratio', float('nan')):>8.2f}")
+        rows.append(record(out, "ttft_vs_compute_floor", {**base, "prompt_len": args.ttft_len, "runs_s": ttfts,
+                           "ttft_over_floor": ttft / floor}, "ttft_s", ttft, "s", "compute_floor", floor,
+                           higher_is_better=False))
+    print_rows(rows, ("concurrency", "requests"))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import random
@@ -34,20 +33,14 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import print_rows, record  # noqa: E402
+from benchmarks.serve_gpu import free_port  # noqa: E402
 from jaxserve.bench import percentile  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNREAD = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0), ("grpc.use_local_subchannel_pool", 1)]
 TOPICS = ["rivers", "bread", "chess", "the moon", "winter", "music", "Python", "France"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+KINDS = ["cancel", "deadline", "unread", "oversized", "bad"]
 
 
 def rss_mib(pid: int) -> float:
@@ -132,9 +125,6 @@ def hostile(address: str, stop, counts) -> None:
         t.join(timeout=120)
 
 
-KINDS = ["cancel", "deadline", "unread", "oversized", "bad"]
-
-
 def normal_phase(address: str, clients: int, seconds: float, rng: random.Random) -> tuple[list[float], int]:
     """(latencies of the normal requests that finished, how many failed) over `seconds`."""
     import grpc
@@ -180,14 +170,12 @@ def main() -> None:
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="soak-")
     port, metrics_port = free_port(), free_port()
-    log_path = os.path.join(work, "serve.log")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "JAX_COMPILATION_CACHE_DIR": os.path.join(work, "xla")}
-    with open(log_path, "w") as log:
+    with open(os.path.join(work, "serve.log"), "w") as log:
         server = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", "configs/serve.yaml",
-                                   "--port", str(port), "--metrics-port", str(metrics_port),
-                                   "--http-port", "0"], cwd=REPO, env=env,
-                                  stdout=log, stderr=subprocess.STDOUT)
+                                   "--port", str(port), "--metrics-port", str(metrics_port), "--http-port", "0"],
+                                  cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     from jaxserve.client import Client
 
@@ -229,13 +217,10 @@ def main() -> None:
               "normal_request": "about 8 prompt tokens, 16 out", "minutes": args.minutes,
               "phase_minutes": args.phase_minutes, "hostile_sent": dict(zip(KINDS, counts[:])),
               "cpu_threads": os.cpu_count()}
-    rows = [
-        record(args.out, "soak_cpu", config, "normal_p99_latency_s", percentile(loud[0], 0.99), "s",
-               "the same normal traffic without the hostile traffic, same run", percentile(quiet[0], 0.99),
-               higher_is_better=False),
-        record(args.out, "soak_cpu", config, "normal_p50_latency_s", statistics.median(loud[0]), "s",
-               "the same normal traffic without the hostile traffic, same run", statistics.median(quiet[0]),
-               higher_is_better=False),
+    rows = [record(args.out, "soak_cpu", config, f"normal_{name}_latency_s", stat(loud[0]), "s",
+                   "the same normal traffic without the hostile traffic, same run", stat(quiet[0]), higher_is_better=False)
+            for name, stat in (("p99", lambda x: percentile(x, 0.99)), ("p50", statistics.median))]
+    rows += [
         record(args.out, "soak_cpu", config, "normal_requests_failed", loud[1], "requests",
                "without the hostile traffic", quiet[1] or None),
         record(args.out, "soak_cpu", config, "server_rss_mib_end", rss_end, "MiB", "after start (warm)", rss_start,
@@ -243,8 +228,7 @@ def main() -> None:
         record(args.out, "soak_cpu", {**config, "metrics": metrics, "exit_code": code}, "kv_cache_usage_when_idle",
                metrics.get("jaxserve:kv_cache_usage_perc", -1), "fraction"),
     ]
-    for r in rows:
-        print(json.dumps(r))
+    print_rows(rows)
     assert metrics["jaxserve:kv_cache_usage_perc"] == 0 and metrics["jaxserve:num_requests_running"] == 0, metrics
 
 
