@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import NUM_TOP, StepInput
 from jaxserve.model.attention import AttentionFn
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.sampler import (
     commit,

@@ -168,5 +168,6 @@ def test_random_models_have_real_shapes_and_a_tokenizer_for_every_id():
     assert model.tokenizer.decode([3, 511]) == "<3> <511>" and model.tokenizer.encode("<3> <511>") == [3, 511]
     quantized = load_model("random:smoke", dtype=jnp.bfloat16, quantize=QuantConfig(mode="int8"))
     assert isinstance(quantized.weights.layers[0].w_gate_up, QuantizedArray)
-    with pytest.raises(CheckpointError, match="unknown random model 'llama9'; presets: llama3-1b, llama3-8b, smoke"):
+    with pytest.raises(CheckpointError, match="unknown random model 'llama9'; presets: gemma3-12b, llama3-1b, "
+                                              "llama3-8b, qwen3-30b-a3b, qwen3-8b, smoke, smollm2-135m"):
         load_model("random:llama9")

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.config import ModelConfig, QuantConfig
+from jaxserve.config import QuantConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.quant import embed_lookup, quantize_weights
 from jaxserve.model.transformer import forward, normed_linear, rope_inv_freq

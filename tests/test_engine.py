@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import EngineConfig, ModelConfig, SamplingParams
+from jaxserve.config import EngineConfig, SamplingParams
 from jaxserve.errors import JaxserveError
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.weights import random_weights
 from jaxserve.runner import build_engine, compilation_count
 

@@ -186,8 +186,9 @@ def test_tensor_and_expert_parallel_engine_generates_the_tokens_of_one_device(tm
 
 
 def test_parallel_layouts_the_model_cannot_take_are_refused_by_name():
-    from jaxserve.config import ModelConfig, ParallelConfig
+    from jaxserve.config import ParallelConfig
     from jaxserve.errors import JaxserveError
+    from jaxserve.model.config import ModelConfig
     from jaxserve.parallel.mesh import check_model
 
     moe = ModelConfig(architecture="mixtral", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1,

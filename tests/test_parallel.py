@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import DistributedConfig, EngineConfig, ModelConfig, ParallelConfig, QuantConfig
+from jaxserve.config import DistributedConfig, EngineConfig, ParallelConfig, QuantConfig
 from jaxserve.engine.batch import StepInput
 from jaxserve.engine.pages import PageAllocator
 from jaxserve.errors import JaxserveError
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.quant import quantize_weights
 from jaxserve.model.transformer import forward

@@ -14,7 +14,8 @@ import pytest
 
 from jaxserve.checkpoint import LoadedModel, save_model
 from jaxserve.cli import build_parser, parallel_from_args
-from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig, SamplingParams, engine_config_for
+from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams, engine_config_for
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.weights import random_weights
 from jaxserve.runner import build_engine
 

@@ -27,8 +27,9 @@ import numpy as np
 
 from jaxserve.checkpoint import random_model
 from jaxserve.checkpoint.tokenizer import Tokenizer
-from jaxserve.config import ModelConfig, QuantConfig
+from jaxserve.config import QuantConfig
 from jaxserve.errors import CheckpointError, JaxserveError
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import QuantizedArray, quantize_weights, quantized_abstract
 from jaxserve.model.weights import ArraySpec, Weights, check_shapes, is_spec
 

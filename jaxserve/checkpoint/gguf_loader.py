@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from jaxserve.checkpoint.tokenizer import Tokenizer, tokenizer_from_gguf
-from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.errors import CheckpointError
+from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.weights import Experts, Layer, Weights
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxserve.config import ARCHITECTURES, ModelConfig, RopeScaling
 from jaxserve.errors import JaxserveError
+from jaxserve.model.config import ARCHITECTURES, ModelConfig, RopeScaling
 
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 

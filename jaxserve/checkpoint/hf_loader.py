@@ -13,8 +13,8 @@ import numpy as np
 
 from jaxserve.checkpoint.hf_config import config_from_hf
 from jaxserve.checkpoint.tokenizer import Tokenizer, tokenizer_from_hf_dir
-from jaxserve.config import ModelConfig
 from jaxserve.errors import CheckpointError, JaxserveError
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.weights import Experts, Layer, Weights
 
 # A multimodal Gemma 3 keeps its language model under a prefix (transformers 4 wrote the first, 5 the second).

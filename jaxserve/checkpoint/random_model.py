@@ -14,8 +14,8 @@ from typing import Any
 import tokenizers
 
 from jaxserve.checkpoint.tokenizer import Tokenizer
-from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.errors import CheckpointError
+from jaxserve.model.config import ModelConfig, RopeScaling
 
 PREFIX = "random:"
 PRESETS = {

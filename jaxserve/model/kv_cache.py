@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import linear
 from jaxserve.model.weights import Experts
 

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.model.attention import AttentionFn, AttentionSpec, update_and_attend
+from jaxserve.model.config import ModelConfig, RopeScaling
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.moe import glu, moe_mlp
 from jaxserve.model.quant import embed_lookup, linear, row_multiple

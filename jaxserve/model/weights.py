@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

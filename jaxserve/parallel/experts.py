@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.moe import route, routed_experts
 from jaxserve.model.weights import Experts, Layer, Weights
 from jaxserve.parallel import sharding

@@ -17,9 +17,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import EngineConfig, ModelConfig, ParallelConfig
+from jaxserve.config import EngineConfig, ParallelConfig
 from jaxserve.engine.batch import StepInput
 from jaxserve.errors import JaxserveError
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.weights import Weights
 from jaxserve.parallel import sharding

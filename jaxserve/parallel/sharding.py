@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.config import ModelConfig
+from jaxserve.model.config import ModelConfig
 from jaxserve.model.quant import GROUPS_AXIS, QuantizedArray, quantized_spec
 from jaxserve.model.weights import Weights, is_spec
 

@@ -1,8 +1,8 @@
 """A decode step's every decoder layer in one persistent kernel (batch 1): its math and layouts.
 
 `reference` holds the stacked layouts (`stack_layers`, `stack_pages`) and the math in jnp; `mosaic_gpu` the kernel
-for Hopper, its parts in the modules beside it (benchmarks/megakernel_step_gpu.py times its step against the
-engine's int8 step).
+for Hopper, its parts in the modules beside it (`benchmarks/int8_gpu.py --variants int8,int8_megakernel` times
+its step against the engine's int8 step).
 """
 
 from __future__ import annotations
