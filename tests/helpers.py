@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.checkpoint import LoadedModel
-from jaxserve.config import SamplingParams, engine_config_for
+from jaxserve.config import EngineConfig, SamplingParams, ServerConfig, engine_config_for
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.transformer import ForwardOutput, forward
 from jaxserve.runner import build_engine
+from jaxserve.server.server import Server, model_info
 
 
 def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingParams, **engine_kw) -> list:
@@ -55,3 +60,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def http_server(model: LoadedModel, engine_cfg: EngineConfig, **overrides: Any) -> Iterator[Server]:
+    """A started engine and a server over it, HTTP on a free port, gRPC on another; `overrides` are ServerConfig
+    fields. Stops both at the end."""
+    engine = build_engine(model, engine_cfg)
+    engine.start()
+    cfg = ServerConfig(host="127.0.0.1", port=0, http_port=free_port(), metrics_port=None, engine=engine_cfg,
+                       **overrides)
+    server = Server(cfg, model_name=cfg.model_name)
+    server.start()
+    server.attach(engine, model_info(model, engine, cfg, dtype="float32"))
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.stop()
+
+
+def openai_client(server: Server) -> Any:
+    """The `openai` SDK's client of a server's HTTP API."""
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0)

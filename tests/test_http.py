@@ -15,7 +15,7 @@ from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
 from jaxserve.runner import build_engine
 from jaxserve.server.server import Server, model_info
-from tests.helpers import free_port
+from tests.helpers import free_port, http_server, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -26,21 +26,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(smollm):
-    engine = build_engine(smollm, ENGINE)
-    engine.start()
-    cfg = ServerConfig(host="127.0.0.1", port=0, http_port=free_port(), metrics_port=None, engine=ENGINE,
-                       max_tokens_limit=64)
-    server = Server(cfg, model_name=cfg.model_name)
-    server.start()
-    server.attach(engine, model_info(smollm, engine, cfg, dtype="float32"))
-    yield server
-    server.stop()
-    engine.stop()
+    with http_server(smollm, ENGINE, max_tokens_limit=64) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def http(server, method: str, path: str, body: dict | None = None) -> tuple[int, dict | str]:

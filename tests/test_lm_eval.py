@@ -12,10 +12,8 @@ import pytest
 import torch
 import yaml
 
-from jaxserve.config import EngineConfig, ServerConfig
-from jaxserve.runner import build_engine
-from jaxserve.server.server import Server, model_info
-from tests.helpers import free_port
+from jaxserve.config import EngineConfig
+from tests.helpers import http_server
 
 pytestmark = pytest.mark.slow
 
@@ -38,16 +36,8 @@ UNTIL = ["\n"]
 
 @pytest.fixture(scope="module")
 def server(smollm):
-    engine = build_engine(smollm, ENGINE)
-    engine.start()
-    cfg = ServerConfig(host="127.0.0.1", port=0, http_port=free_port(), metrics_port=None, engine=ENGINE,
-                       max_tokens_limit=64)
-    server = Server(cfg, model_name=cfg.model_name)
-    server.start()
-    server.attach(engine, model_info(smollm, engine, cfg, dtype="float32"))
-    yield server
-    server.stop()
-    engine.stop()
+    with http_server(smollm, ENGINE, max_tokens_limit=64) as server:
+        yield server
 
 
 def write_tasks(root: Path, cache: Path) -> None:

@@ -20,7 +20,7 @@ from jaxserve.config import BatchConfig, EngineConfig, SamplingParams
 from jaxserve.engine.grammar import compile_grammar
 from jaxserve.jobs.runner import BatchJob
 from jaxserve.runner import build_engine
-from tests.helpers import free_port
+from tests.helpers import free_port, openai_client
 from tests.test_jobs import read_output, write_lines
 from tests.test_server import start_server
 
@@ -59,7 +59,7 @@ def server(tools_model):
 
 @pytest.fixture(scope="module")
 def oai(server):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def chat(oai, **kw):
