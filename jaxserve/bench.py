@@ -64,11 +64,16 @@ def run_bench(model: LoadedModel, num_requests: int, input_len: int, output_len:
     if engine is None:
         return None
     compile_s = time.perf_counter() - compile_start
+    from jaxserve.model.quant import decode_weight_bytes
+
+    # what one row's decode step must read (of a mixture, only the experts it is routed to): the bandwidth floor's
+    # numerator
+    built = {"compile_s": compile_s,
+             "decode_weight_bytes": decode_weight_bytes(model.weights, model.config.experts_per_token)}
     try:
         if constrained is not None:
-            return {**run_pair(engine, num_requests, input_len, output_len, params, constrained, rounds),
-                    "compile_s": compile_s}
-        return {**run_load(engine, num_requests, input_len, output_len, seed, params), "compile_s": compile_s}
+            return {**run_pair(engine, num_requests, input_len, output_len, params, constrained, rounds), **built}
+        return {**run_load(engine, num_requests, input_len, output_len, seed, params), **built}
     finally:
         release_followers(engine)
 

@@ -22,6 +22,9 @@ if not any(os.path.exists(f"/dev/{device}") for device in ("nvidia0", "accel0", 
     for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
         if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += f" {_flag}"
+# Tests that run a model in this process leave the GPU's memory to the servers other tests start (JAX would take
+# three quarters of it at its first use).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # One persistent compilation cache for the session's processes (the pytest-xdist workers, spawned after this runs,
 # and the CLI, server and batch subprocesses inherit it): the embedded model's step buckets, built by many tests,
 # compile once. A directory of this session's own, removed at its end; a cache set from outside is left alone.
