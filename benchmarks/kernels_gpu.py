@@ -108,7 +108,7 @@ def bench_flash(path: str, rows: list, seqs: tuple[int, ...] = (2048, 4096, 8192
             median = sorted(rates, key=lambda r: r["ours"] / r["cudnn"])[len(rates) // 2]
             tf_ours, tf_cudnn = median["ours"], median["cudnn"]
             err = testing.relative_error(ours(*problem), np.asarray(cudnn(*problem), np.float64))
-            bs = flash_gpu.default_block_sizes(heads // problem[1].shape[2], seq)
+            bs = flash_gpu.default_block_sizes(heads // problem[1].shape[2], seq, hd)
             config = dict(batch=b, seq=seq, heads=heads, head_dim=hd, causal=causal, dtype="bfloat16", err_vs_cudnn=err,
                           block_k=bs.block_k, stages=bs.stages, heads_per_program=bs.heads_per_program,
                           placements=placements, rounds=rounds,

@@ -124,7 +124,10 @@ def test_sampled_tokens_keep_the_target_distribution(smollm):
 @pytest.mark.gpu
 def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
     """On a GPU the verify rows attend through the Mosaic GPU decode kernel, a row per query: greedy tokens equal
-    those without speculation, on a model of head_dim 64 whose prompts repeat themselves."""
+    those without speculation, on a model of head_dim 64 whose prompts repeat themselves. The kernel's tensor-core
+    operands are bfloat16 even for float32 pages, and a drafted token's K/V, computed in a several-row product, can
+    round to the other side of a bfloat16 value than the one-token step's: a request may part from its plain
+    tokens only where the plain run's best two tokens are that close, and then takes the second."""
     from jaxserve.checkpoint import load_model
     from jaxserve.runner import build_engine
     from tests.tiny_models import hf_tiny, write_gguf
@@ -133,17 +136,21 @@ def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
     write_gguf(path, hf_tiny("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2))
     model = load_model(path, dtype="float32")
     prompts = [[(7 * i + j) % 50 + 3 for j in range(12)] * 3 for i in range(16)]
-    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 16
-    # float32 products at full precision: TF32 (the GPU's default) rounds a 5-row product and a 1-row one apart,
-    # which on a random model's near-ties is enough to flip a greedy token
-    with jax.default_matmul_precision("highest"):
-        want = [r.output_ids for r in build_engine(model, ENGINE).generate(prompts, params)]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)] * 16
+    with jax.default_matmul_precision("highest"):  # (the XLA products: only the kernel's rounding is left)
+        want = build_engine(model, ENGINE).generate(prompts, params)
         spec = build_engine(model, dataclasses.replace(ENGINE, speculative=NGRAM))
-        got = [r.output_ids for r in spec.generate(prompts, params)]
-    differ = {i: next(j for j, (a, b) in enumerate(zip(g, w)) if a != b) for i, (g, w) in enumerate(zip(got, want))
-              if g != w}
-    assert not differ, f"requests whose tokens differ, with the first position that does: {differ}; {spec.spec}"
-    assert spec.spec.num_drafts > 0
+        got = spec.generate(prompts, params)
+    assert spec.spec.num_drafts > 0 and spec.spec.num_accepted_tokens > 0
+    parted = 0
+    for g, w in zip(got, want):
+        if g.output_ids == w.output_ids:
+            continue
+        parted += 1
+        j = next(j for j, (a, b) in enumerate(zip(g.output_ids, w.output_ids)) if a != b)
+        (_, top), taken = w.logprobs[j], g.output_ids[j]
+        assert [t for t, _ in top] == [w.output_ids[j], taken] and top[0][1] - top[1][1] < 1e-2, (j, top, taken)
+    assert parted <= 2, f"{parted} of 16 requests parted from their plain tokens"
 
 
 @pytest.mark.parametrize("draft", ["embedded", "random:smollm2-135m"])

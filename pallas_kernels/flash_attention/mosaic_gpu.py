@@ -482,14 +482,16 @@ def default_interleave(causal: bool, dense_start: int | None, units: int, num_qt
     return program_order(units, tuple(-(-end // bs.block_k) for end in ends))
 
 
-def default_block_sizes(group: int, q_len: int) -> BlockSizes:
-    """Heads of one group share a program when the chunk is short or the group is wide."""
+def default_block_sizes(group: int, q_len: int, head_dim: int = 128) -> BlockSizes:
+    """Heads of one group share a program when the chunk is short or the group is wide. Heads wider than 128 step
+    64 keys at a time: at head_dim 256 the ring of 128-key K/V blocks (256 KiB in bfloat16) beside the two query
+    tiles is past the 227 KiB of shared memory a block may use."""
     hpp = 1
     while hpp * 2 <= group and group % (hpp * 2) == 0 and (q_len % (128 // hpp) or hpp < 2):
         hpp *= 2
     while q_len % (128 // hpp) and hpp * 2 <= min(group, 8) and group % (hpp * 2) == 0:
         hpp *= 2
-    return BlockSizes(heads_per_program=hpp)
+    return BlockSizes(heads_per_program=hpp, block_k=128 if head_dim <= 128 else 64)
 
 
 def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = None, softcap: float | None = None,
@@ -498,7 +500,7 @@ def flash_attention(q, k, v, *, causal: bool = True, sm_scale: float | None = No
     """Dense flash attention (see reference.flash_attention); q_len and kv_len tile by the blocks."""
     b, t, h, _ = q.shape
     s = k.shape[1]
-    bs = block_sizes or default_block_sizes(h // k.shape[2], t)
+    bs = block_sizes or default_block_sizes(h // k.shape[2], t, q.shape[-1])
     if s % bs.block_k:
         raise ValueError(f"kv_len={s} must be a multiple of block_k={bs.block_k}")
     q_start = jnp.full((b,), s - t if causal else 0, jnp.int32)
@@ -514,10 +516,10 @@ def paged_flash_attention(q, k_pages, v_pages, page_table, q_start, kv_lengths, 
                           block_sizes: BlockSizes | None = None, interpret: bool | None = None) -> jax.Array:
     """Prefill chunk over K/V pages (see reference.paged_flash_attention), read page by page by TMA."""
     h = q.shape[2]
-    bs = block_sizes or default_block_sizes(h // k_pages.shape[0], q.shape[1])
+    bs = block_sizes or default_block_sizes(h // k_pages.shape[0], q.shape[1], q.shape[-1])
     ps = k_pages.shape[2]
-    if block_sizes is None and ps > bs.block_k:
-        bs = dataclasses.replace(bs, block_k=math.gcd(ps, 128) if ps % 128 else 128)
+    if block_sizes is None and ps > bs.block_k:  # blocks within a page: as wide as the default allows
+        bs = dataclasses.replace(bs, block_k=math.gcd(ps, bs.block_k))
     out = _call(q, k_pages, v_pages, page_table.astype(jnp.int32), q_start.astype(jnp.int32),
                 kv_lengths.astype(jnp.int32), paged=True, causal=causal, sm_scale=sm_scale, softcap=softcap, window=window,
                 bs=bs, interpret=interpret)

@@ -78,8 +78,20 @@ class FlashSuite:
     def small_blocks(self, case):
         return self.block_sizes(case)
 
+    def test_wide_heads_in_the_default_tiling(self):
+        """head_dim 256 (Gemma 2 and 3) in the tiling a model gets: compiled, it must fit in shared memory."""
+        case = ("bfloat16", 256, 2, True)
+        rng = np.random.default_rng(11)
+        t, s = self.q_len(2), 256
+        q = testing.random_normal(rng, (1, t, 2 * self.kv_heads, 256), jnp.bfloat16)
+        k, v = (testing.random_normal(rng, (1, s, self.kv_heads, 256), jnp.bfloat16) for _ in range(2))
+        out = flash_attention(q, k, v, causal=True, backend=self.backend, interpret=self.interpret)
+        truth = testing.attention_truth(q, k, v, np.full(1, s - t), np.full(1, s), causal=True)
+        assert testing.relative_error(out, truth) < testing.tolerance(self.backend_name, "bfloat16")
+        self.check_paged_chunk(case, stale_nan=True, default_tiling=True)
+
     def check_paged_chunk(self, case, *, stale_nan: bool, kv_dtype=None, prefix: int = 32, softcap=None, window=None,
-                          block_sizes=None):
+                          block_sizes=None, default_tiling: bool = False):
         dtype, hd, group, causal = case
         rng = np.random.default_rng(hash(case) % 2**32 + 1)
         t = self.q_len(group)
@@ -101,7 +113,8 @@ class FlashSuite:
             kp, vp = jnp.asarray(kp, jnp.float32).astype(kv_dtype), jnp.asarray(vp, jnp.float32).astype(kv_dtype)
         out = paged_flash_attention(q, kp, vp, jnp.asarray(table), jnp.asarray(q_start), jnp.asarray(lengths),
                                     causal=causal, backend=self.backend, interpret=self.interpret,
-                                    block_sizes=block_sizes or self.block_sizes(case), softcap=softcap, window=window)
+                                    block_sizes=None if default_tiling else block_sizes or self.block_sizes(case),
+                                    softcap=softcap, window=window)
         k = testing.dense_from_pages(np.nan_to_num(np.asarray(kp.astype(jnp.float32))), table)
         v = testing.dense_from_pages(np.nan_to_num(np.asarray(vp.astype(jnp.float32))), table)
         truth = testing.attention_truth(q.astype(jnp.float32), k, v, q_start, lengths, causal=causal, softcap=softcap,
