@@ -20,21 +20,6 @@ from jaxserve.config import DistributedConfig, EngineConfig, QuantConfig
 log = logging.getLogger("jaxserve")
 
 
-# XLA flags the commands run with unless XLA_FLAGS sets them. Ragged dots (the mixture-of-experts' grouped matmuls)
-# go to cuDNN's grouped matmul: XLA's GPU compiler otherwise pads every expert's rows to all the rows, so that each
-# step reads and multiplies every expert. Ragged dots cuDNN does not take still get that rewrite.
-XLA_DEFAULTS = {"xla_gpu_experimental_use_ragged_dot_fusion": "true"}
-
-
-def set_xla_defaults(environ: dict[str, str] | Any = os.environ) -> None:
-    """Adds XLA_DEFAULTS to `environ`'s XLA_FLAGS, each unless already named there; before JAX starts a backend."""
-    flags = environ.get("XLA_FLAGS", "")
-    for name, value in XLA_DEFAULTS.items():
-        if f"--{name}" not in flags:
-            flags = f"{flags} --{name}={value}".strip()
-    environ["XLA_FLAGS"] = flags
-
-
 def default_dtype() -> str:
     """float32 on a CPU, bfloat16 on a GPU or TPU."""
     import jax
