@@ -430,8 +430,10 @@ def build_engine(model: LoadedModel, cfg: EngineConfig) -> Engine:
     draft = None
     if cfg.speculative is not None and cfg.speculative.method == "draft":
         draft = StepRunner(_draft_model(model, cfg.speculative.model), dataclasses.replace(runner.cfg, kv_memory_fraction=0))
+    spans = [model.config.attention_span] + ([] if draft is None else [draft.model_cfg.attention_span])
     return Engine(runner, model.tokenizer, runner.cfg, vocab_size=model.config.vocab_size,  # num_pages may be sized
-                  context_len=model.config.max_position_embeddings, draft=draft)
+                  context_len=model.config.max_position_embeddings, draft=draft,
+                  attention_span=None if None in spans else max(spans))  # type: ignore[type-var]
 
 
 def _draft_model(target: LoadedModel, path: str | None) -> LoadedModel:

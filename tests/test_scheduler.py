@@ -25,9 +25,10 @@ def chunks(plan: StepPlan) -> list[Chunk]:
 
 
 def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_steps: int = 20_000,
-             stop_rng: random.Random | None = None) -> int:
+             stop_rng: random.Random | None = None, in_use: list[int] | None = None) -> int:
     """Runs the scheduler against a pretend device, one step ahead as the engine does: step N+1 is
-    planned before step N is committed. Returns the steps taken; checks invariants every step."""
+    planned before step N is committed. Returns the steps taken; checks invariants every step. `in_use` gets the
+    pages taken at each step."""
     pending = sorted(arrivals, key=lambda a: a[0])
     step = 0
     size = scheduler.cfg.page_size
@@ -50,6 +51,10 @@ def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_step
             for pos in range(chunk.start, chunk.start + chunk.length):
                 page = request.pages[pos // size]
                 assert scheduler.pages.refs[page] == 1, f"write to shared page {page}"
+            span = scheduler.attention_span or chunk.start + 1
+            for pos in range(max(0, chunk.start - span + 1), chunk.start):  # what the chunk's queries read
+                assert pos // size >= request.released and scheduler.pages.refs[request.pages[pos // size]] >= 1, \
+                    f"position {pos} inside the window is on a released page"
             # the sampled token depends only on the tokens before it, as a model's would
             seen = truth.setdefault(request.request_id, list(request.all_ids))
             assert seen[:len(request.all_ids)] == request.all_ids
@@ -65,6 +70,8 @@ def simulate(scheduler: Scheduler, arrivals: list[tuple[int, Request]], max_step
             scheduler.commit(chunk, token)
         in_flight = launched
         scheduler.pages.check()
+        if in_use is not None:
+            in_use.append(sum(1 for ref in scheduler.pages.refs if ref))
         for request in scheduler.running:  # the kept prefix-hash chain is the one its tokens give, whatever happened
             assert request.page_hashes == page_hashes(request.all_ids, size, len(request.page_hashes))
         step += 1
@@ -99,13 +106,15 @@ requests_strategy = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(requests_strategy, st.integers(1, 6), st.sampled_from([4, 8, 16]), st.integers(0, 40),
-       st.sampled_from([(1,), (1, 2, 4)]), st.randoms())
-def test_every_request_finishes_and_nothing_leaks(specs, max_slots, page_size, extra_pages, prefill_rows, rng):
+       st.sampled_from([(1,), (1, 2, 4)]), st.sampled_from([None, None, 3, 21]), st.randoms())
+def test_every_request_finishes_and_nothing_leaks(specs, max_slots, page_size, extra_pages, prefill_rows, span, rng):
+    """With `span` (a model whose every layer has a sliding window) pages behind the window go back to the pool
+    as sequences grow; simulate checks that no query reads one."""
     longest = max(n + m for _, n, m, _ in specs)
     pages_per_slot = -(-longest // page_size)
     cfg = EngineConfig(max_slots=max_slots, page_size=page_size, num_pages=pages_per_slot + extra_pages,
                        max_pages_per_slot=pages_per_slot, chunk_buckets=(8, 32), prefill_rows=prefill_rows)
-    scheduler = Scheduler(cfg)
+    scheduler = Scheduler(cfg, attention_span=span)
     prefixes = [[rng.randrange(97) for _ in range(64)] for _ in range(4)]  # shared system prompts
     arrivals = []
     for i, (at, n, m, prefix) in enumerate(specs):
@@ -152,6 +161,22 @@ def test_outputs_do_not_depend_on_pool_size():
     crowded, preemptions = run(num_pages=12, max_slots=8)
     assert none == 0 and preemptions > 0
     assert crowded == alone
+
+
+def test_a_sliding_window_keeps_a_long_sequence_in_a_few_pages():
+    """Every layer windowed (8 positions): a 200-token sequence (50 pages of 4) holds at most 5 pages at once (the
+    window's, the chunk's and the one the committed length reaches into), with the tokens it has when it keeps them
+    all."""
+    def run(span: int | None) -> tuple[Request, list[int]]:
+        cfg = EngineConfig(max_slots=1, page_size=4, num_pages=50, max_pages_per_slot=50, chunk_buckets=(8,))
+        request = Request("r", list(range(1, 40)), SamplingParams(max_tokens=161), arrival=0)
+        in_use: list[int] = []
+        simulate(Scheduler(cfg, attention_span=span), [(0, request)], in_use=in_use)
+        return request, in_use
+
+    (windowed, few), (full, every) = run(8), run(None)
+    assert windowed.output_ids == full.output_ids and len(windowed.output_ids) == 161
+    assert max(few) <= 5 and max(every) == 50 and few[-1] == every[-1] == 0
 
 
 def test_shared_prefix_pages_are_referenced_not_copied():

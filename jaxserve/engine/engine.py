@@ -102,13 +102,13 @@ class _Unmasked:
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, cfg: EngineConfig, *, vocab_size: int,
-                 context_len: int, draft: Runner | None = None) -> None:
+                 context_len: int, draft: Runner | None = None, attention_span: int | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.context_len = context_len
-        self.scheduler = Scheduler(cfg)
+        self.scheduler = Scheduler(cfg, attention_span)
         self.stats = EngineStats()
         self.grammars = Grammars(tokenizer, vocab_size)
         self.spec = SpecStats()

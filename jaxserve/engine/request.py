@@ -45,6 +45,9 @@ class Request:
     state: State = State.WAITING
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
+    # of those, the first `released` went back to the pool, wholly behind every layer's window (Scheduler); their
+    # entries stay, stale, in the page table, which no kernel reads there
+    released: int = 0
     num_computed: int = 0
     num_committed: int = 0
     unread: int = 0

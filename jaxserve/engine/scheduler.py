@@ -48,8 +48,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, attention_span: int | None = None) -> None:
+        """`attention_span`: how far back the model (and a draft model) reads, when every layer has a sliding
+        window (ModelConfig.attention_span); the pages behind it are released as sequences grow."""
         self.cfg = cfg
+        self.attention_span = attention_span
         self.pages = PageAllocator(cfg.num_pages, cfg.page_size, shards=cfg.parallel.sp)
         self.slots = SlotTable(cfg.max_slots)
         self.waiting: deque[Request] = deque()
@@ -160,6 +163,9 @@ class Scheduler:
         plan = StepPlan()
         decoding: list[Request] = []
         speculating: list[tuple[Request, int]] = []
+        if self.attention_span is not None:
+            for request in self.running:
+                self._release_behind_window(request)
         for request in sorted(self.running, key=lambda r: r.arrival):
             if not (request.state is State.RUNNING and request.pending == 1
                     and len(request.output_ids) + request.unread < request.params.max_tokens):
@@ -235,6 +241,16 @@ class Scheduler:
                 return False
         return True
 
+    def _release_behind_window(self, request: Request) -> None:
+        """Returns the committed pages wholly behind the window of the request's next query (position num_computed,
+        which reads from num_computed - span + 1 on) to the pool. A step still running reads from earlier
+        positions, but the device runs steps in order: a page handed on is written only after it."""
+        assert self.attention_span is not None
+        behind = max(0, min(request.num_committed, request.num_computed - self.attention_span + 1)) // self.cfg.page_size
+        for page in request.pages[request.released:behind]:
+            self.pages.release(page)
+        request.released = max(request.released, behind)
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         self._release(request)
         self.running.remove(request)
@@ -249,9 +265,10 @@ class Scheduler:
         plan.preempted.append(request)
 
     def _release(self, request: Request) -> None:
-        for page in request.pages:
+        for page in request.pages[request.released:]:
             self.pages.release(page)
         request.pages = []
+        request.released = 0
         if request.slot is not None:
             self.slots.release(request.slot)
             request.slot = None

@@ -130,6 +130,13 @@ class ModelConfig:
         return self.sliding_window if self.is_local(layer) else None
 
     @property
+    def attention_span(self) -> int | None:
+        """How far back any layer reads: the widest window when every layer has one (the positions behind it are
+        never read again, so their pages can go back to the pool), None when a layer attends to everything."""
+        windows = [self.window(layer) for layer in range(self.num_layers)]
+        return None if None in windows else max(windows)  # type: ignore[type-var]
+
+    @property
     def switches(self) -> dict[str, Any]:
         """The switches this model turns on (those that differ from Llama's), by name; rope_scaling by its kind."""
         fields = dataclasses.fields(self)
