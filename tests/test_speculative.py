@@ -45,6 +45,13 @@ def prompts(smollm):
     return out
 
 
+@pytest.fixture(scope="module")
+def greedy_load(engines, prompts):
+    """The 64 prompts' greedy tokens without speculation, once for every proposer's check: (params, tokens)."""
+    params = [SamplingParams(max_tokens=10 + i % 5) for i in range(len(prompts))]
+    return params, [r.output_ids for r in engines[0].generate(prompts, params)]
+
+
 def test_ngram_proposal_takes_what_followed_the_latest_match():
     assert ngram_proposal([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3, 1, 3) == [7, 8, 1]
     assert ngram_proposal([5, 6, 5, 6], 4, 1, 2) == [5, 6]  # (the match's own continuation, to the end)
@@ -52,16 +59,15 @@ def test_ngram_proposal_takes_what_followed_the_latest_match():
     assert ngram_proposal([4, 1, 4], 2, 2, 3) == []  # no 2-gram repeats
 
 
-def test_greedy_tokens_are_identical_with_ngram_speculation(engines, prompts):
-    plain, spec = engines
-    params = [SamplingParams(max_tokens=16 + i % 5) for i in range(len(prompts))]
-    want = [r.output_ids for r in plain.generate(prompts, params)]
+def test_greedy_tokens_are_identical_with_ngram_speculation(engines, prompts, greedy_load):
+    spec = engines[1]
+    params, want = greedy_load
     before = dataclasses.replace(spec.spec)
     got = spec.generate(prompts, params)
     assert [r.output_ids for r in got] == want
     assert [len(r.output_ids) for r in got] == [len(w) for w in want]  # max_tokens exact where it ends them
     accepted = spec.spec.num_accepted_tokens - before.num_accepted_tokens
-    assert accepted > 0.3 * sum(len(w) for w in want), spec.spec  # the repeats are found in the prompts
+    assert accepted > 0.2 * sum(len(w) for w in want), spec.spec  # the repeats are found in the prompts
     pages = spec.scheduler.pages
     assert pages.num_available == pages.num_pages and not spec.scheduler.running  # every page back in the pool
 
@@ -154,17 +160,15 @@ def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("draft", ["embedded", "random:smollm2-135m"])
-def test_greedy_tokens_are_identical_with_a_draft_model(smollm, engines, prompts, embedded_path, draft):
-    """A draft equal to the target has every draft accepted; a random draft of the same vocabulary has most
-    rejected. Either way the tokens are the target's."""
+def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_load, embedded_path, draft):
+    """64 requests: a draft equal to the target has every draft accepted; a random draft of the same vocabulary
+    has most rejected. Either way the tokens are the target's."""
     from jaxserve.runner import build_engine
 
-    plain = engines[0]
     spec = SpeculativeConfig(method="draft", num_tokens=3, model=embedded_path if draft == "embedded" else draft)
     engine = build_engine(smollm, dataclasses.replace(ENGINE, speculative=spec))
-    params = [SamplingParams(max_tokens=8 + i % 4) for i in range(16)]  # (16 requests: the suite's time)
-    want = [r.output_ids for r in plain.generate(prompts[:16], params)]
-    assert [r.output_ids for r in engine.generate(prompts[:16], params)] == want
+    params, want = greedy_load
+    assert [r.output_ids for r in engine.generate(prompts, params)] == want
     rate = engine.spec.num_accepted_tokens / engine.spec.num_draft_tokens
     assert rate > 0.97 if draft == "embedded" else rate < 0.5, engine.spec
     pages = engine.scheduler.pages
