@@ -159,13 +159,24 @@ def test_ngram_speculation_through_the_kernels_on_the_gpu(tmp_path):
     assert parted <= 2, f"{parted} of 16 requests parted from their plain tokens"
 
 
-@pytest.mark.parametrize("draft", ["embedded", "random:smollm2-135m"])
-def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_load, embedded_path, draft):
-    """64 requests: a draft equal to the target has every draft accepted; a random draft of the same vocabulary
-    has most rejected. Either way the tokens are the target's."""
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory, smollm) -> str:
+    """A small random Llama with the target's vocabulary, saved as transformers saves it."""
+    from tests.tiny_models import hf_tiny, save_tiny
+
+    path = tmp_path_factory.mktemp("random-draft")
+    save_tiny(hf_tiny("llama", vocab_size=smollm.config.vocab_size), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("draft", ["embedded", "random"])
+def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_load, embedded_path, draft, request):
+    """64 requests: a draft equal to the target has every draft accepted; a small random draft of the same
+    vocabulary has most rejected. Either way the tokens are the target's."""
     from jaxserve.runner import build_engine
 
-    spec = SpeculativeConfig(method="draft", num_tokens=3, model=embedded_path if draft == "embedded" else draft)
+    path = embedded_path if draft == "embedded" else request.getfixturevalue("random_draft")
+    spec = SpeculativeConfig(method="draft", num_tokens=3, model=path)
     engine = build_engine(smollm, dataclasses.replace(ENGINE, speculative=spec))
     params, want = greedy_load
     assert [r.output_ids for r in engine.generate(prompts, params)] == want
