@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -337,15 +337,20 @@ class Engine:
         """Drafts from the draft model: up to k greedy tokens after each request's last one, every request a decode
         row at its slot, k draft steps back to back (each step's tokens fed on the device), read once at the end."""
         assert self.draft is not None
-        steps = []
-        for i in range(max(k for _, k in items)):
-            rows: list[Chunk | None] = [None] * self.cfg.decode_rows_for(max(r.slot or 0 for r, _ in items) + 1)
-            for request, k in items:
-                if i < k:
-                    assert request.slot is not None
-                    rows[request.slot] = Chunk(request, request.num_tokens - 1 + i, 1)  # (past its last: fed)
-            pages = self.cfg.decode_pages_for(max(len(r.pages) for r, _ in items))
-            inp = StepInput.build(rows, 1, pages, self.cfg.max_slots).greedy()
+        rows: list[Chunk | None] = [None] * self.cfg.decode_rows_for(max(r.slot or 0 for r, _ in items) + 1)
+        room = np.zeros(len(rows), np.int32)
+        for request, k in items:
+            assert request.slot is not None
+            rows[request.slot], room[request.slot] = Chunk(request, request.num_tokens - 1, 1), k
+        pages = self.cfg.decode_pages_for(max(len(r.pages) for r, _ in items))
+        inp = StepInput.build(rows, 1, pages, self.cfg.max_slots).greedy()
+        steps = [self.draft.dispatch(inp)]
+        for i in range(1, int(room.max())):
+            # the next position of every row, its token the draft's own last sample (fed on the device); a row with
+            # fewer drafts to make turns to padding (its pages end where its drafts do)
+            done = room <= i
+            inp = replace(inp, positions=inp.positions + 1, feed=~done, valid=inp.valid & ~done[:, None],
+                          slots=np.where(done, self.cfg.max_slots, inp.slots).astype(np.int32))
             steps.append(self.draft.dispatch(inp))
         tokens = [result().tokens for result in steps]
         return [[int(tokens[i][r.slot]) for i in range(k)] for r, k in items]  # type: ignore[index]
