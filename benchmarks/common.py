@@ -5,7 +5,21 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
+import sys
 from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_bench(flags: list[str], env: dict[str, str] | None = None, timeout: float = 1800) -> dict[str, Any]:
+    """`jaxserve bench FLAGS --json` in a process of its own (the device's memory to itself): its JSON result. A
+    failure ends the benchmark with the bench's output."""
+    done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", *flags, "--json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        raise SystemExit(f"jaxserve bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def dispatched_back_to_back(runner: Any, inp: Any, steps: int) -> tuple[float, float]:

@@ -17,16 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # this process touches the GPU only to name it in the rows: it must not take the memory the benches need
 _BENCH_ENV = dict(os.environ)
 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import cli_bench, record  # noqa: E402
 
 
 def bench(model: str, requests: int, output_len: int) -> dict:
-    done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--model", model, "--dtype", "bfloat16",
-                           "--num-requests", str(requests), "--input-len", "512", "--output-len", str(output_len),
-                           "--json"], capture_output=True, text=True, timeout=900, env=_BENCH_ENV)
-    if done.returncode:
-        raise SystemExit(f"jaxserve bench failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return cli_bench(["--model", model, "--dtype", "bfloat16", "--num-requests", str(requests), "--input-len", "512",
+                      "--output-len", str(output_len)], _BENCH_ENV, timeout=900)
 
 
 def copy_rate() -> float:

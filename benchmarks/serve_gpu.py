@@ -35,10 +35,9 @@ import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import record  # noqa: E402
+from benchmarks.common import REPO, cli_bench, record  # noqa: E402
 from jaxserve.bench import percentile  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "PYTHONUNBUFFERED": "1"}
 
@@ -257,13 +256,8 @@ def main() -> None:
     def bench(requests: int, input_len: int, output_len: int, flags: tuple[str, ...] = ()) -> dict:
         """`jaxserve bench --config` (the in-process engine of the served config): its JSON result."""
         model = [] if args.model == "embedded" else ["--model", args.model]
-        done = subprocess.run([sys.executable, "-m", "jaxserve.cli", "bench", "--config", config, *model,
-                               "--num-requests", str(requests), "--input-len", str(input_len),
-                               "--output-len", str(output_len), "--json", *flags], cwd=REPO, env=ENV,
-                              capture_output=True, text=True, timeout=1800)
-        if done.returncode:
-            raise SystemExit(f"jaxserve bench failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = cli_bench(["--config", config, *model, "--num-requests", str(requests), "--input-len",
+                            str(input_len), "--output-len", str(output_len), *flags], ENV)
         print(f"bench {' '.join(flags[:10])}: {result}", flush=True)
         return result
 
