@@ -14,9 +14,11 @@ device state can no longer be trusted. A request whose sampled token has a non-f
 
 Constrained rows (SamplingParams.grammar). A row's mask of allowed tokens follows from every token before it, and
 step N+1 is dispatched before step N is read. So a step with constrained rows is dispatched in two parts: its
-forward now, its sampler once the masks are known. The engine reads step N, feeds each matcher its token, computes
-the masks (jaxserve.engine.grammar) while the device runs step N+1's forward, and then enqueues that step's masked
-sampler. Every row still decodes every step; steps without a constrained row are dispatched whole, as before.
+forward now, its sampler once the masks are known. The engine reads step N and feeds each matcher its token; then,
+while the device runs step N+1's forward, llguidance computes step N+1's masks on its own threads
+(jaxserve.engine.grammar) and the engine thread plans and builds step N+2; it then enqueues step N+1's masked sampler
+and step N+2 right behind it. Every row still decodes every step; steps without a constrained row are dispatched
+whole, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -84,17 +87,18 @@ class EngineStats:
     schedule_s: float = 0.0
     dispatch_s: float = 0.0
     commit_s: float = 0.0
-    # computing constrained rows' masks of allowed tokens, and the steps that had some
+    # computing constrained rows' masks of allowed tokens (off the engine thread), and the steps that had some
     mask_s: float = 0.0
     masked_steps: int = 0
 
 
 class _Unmasked:
     """A dispatched step whose constrained rows' sampler waits for their masks (see the module docstring):
-    `sample(masks)` enqueues it and gives the step's result."""
+    `sample(masks)` enqueues it and gives the step's result; `masks` is their computation once it has started."""
 
     def __init__(self, sample: Callable[[np.ndarray], Callable[[], StepOutput]]) -> None:
         self.sample = sample
+        self.masks: Future[np.ndarray] | None = None
 
     def __call__(self) -> StepOutput:
         raise AssertionError("a constrained step was read before its masks were given")
@@ -128,6 +132,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._thread: threading.Thread | None = None
         self._in_flight: Dispatched | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None  # started at the first constrained step
         self._stopping = threading.Event()
         self.fault: BaseException | None = None  # the exception that stopped the loop
         self.on_fault: list[Callable[[BaseException], None]] = []  # called on the engine thread after a fault
@@ -219,6 +224,8 @@ class Engine:
         self._inbox.put(("wake", None))  # type: ignore[arg-type]
         if self._thread is not None:
             self._thread.join()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -271,20 +278,28 @@ class Engine:
         rows take their input tokens from step N's samples on the device. A request that step N
         finishes (a stop token, a stop string) wastes its row in step N+1, which writes only into
         its own pages and whose result is dropped.
+
+        Step N+1's inputs are built before step N's masked sampler, if it has one, is enqueued: the host's planning
+        then overlaps step N's forward, and step N+1 is enqueued right behind that sampler.
         """
         self._drain_inbox()
         self._drop_expired()
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         planned = time.perf_counter()
-        launched = None if plan.empty else self._launch(plan)
+        built = None if plan.empty else self._build(plan)
         self.stats.schedule_s += planned - start
         self.stats.dispatch_s += time.perf_counter() - planned
+        if self._in_flight is not None:
+            self._constrain(self._in_flight)
+        enqueue = time.perf_counter()
+        launched = None if built is None else [self._dispatch(*b) for b in built]
+        self.stats.dispatch_s += time.perf_counter() - enqueue
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             self._complete(previous)
         if launched is not None:
-            self._constrain(launched)
+            self._start_masks(launched)
 
     def _drop_expired(self) -> None:
         """Aborts the waiting requests past their deadline: their callers are gone, and a prefill for them would
@@ -298,14 +313,16 @@ class Engine:
     def busy(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
-    def _launch(self, plan: StepPlan) -> Dispatched:
-        """Dispatches the plan's prefill chunk and its decode rows; no result is read here."""
+    def _build(self, plan: StepPlan) -> list[tuple[list[Chunk | None], StepInput, bool]]:
+        """The plan's dispatches, built on the host and not yet enqueued: its prefill chunk, its decode rows and its
+        verify rows -> (rows, their input, whether it is a verify step) each."""
         self.stats.steps += 1
-        dispatched = []
+        built = []
         if plan.prefill:
             chunks: list[Chunk | None] = list(plan.prefill)
             chunks += [None] * (self.cfg.prefill_rows_for(plan.prefill_width, len(chunks)) - len(chunks))
-            dispatched.append(self._dispatch(chunks, plan.prefill_width, self.cfg.max_pages_per_slot))
+            built.append((chunks, StepInput.build(chunks, plan.prefill_width, self.cfg.max_pages_per_slot,
+                                                  self.cfg.max_slots), False))
             self.stats.prefill_steps += 1
         if plan.decode:
             rows: list[Chunk | None] = [None] * self.cfg.decode_rows_for(max(c.request.slot or 0 for c in plan.decode) + 1)
@@ -313,20 +330,20 @@ class Engine:
                 assert chunk.request.slot is not None
                 rows[chunk.request.slot] = chunk
             pages = self.cfg.decode_pages_for(max(len(c.request.pages) for c in plan.decode))
-            dispatched.append(self._dispatch(rows, 1, pages))
+            built.append((rows, StepInput.build(rows, 1, pages, self.cfg.max_slots), False))
             self.stats.decode_steps += 1
             self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
         if plan.verify:
             assert self.cfg.speculative is not None
             verify: list[Chunk | None] = list(plan.verify)
             verify += [None] * (self.cfg.decode_rows_for(len(verify)) - len(verify))
-            dispatched.append(self._dispatch(verify, self.cfg.speculative.num_tokens + 1, self.cfg.max_pages_per_slot,
-                                             verify=True))
-        return dispatched
+            built.append((verify, StepInput.build(verify, self.cfg.speculative.num_tokens + 1,
+                                                  self.cfg.max_pages_per_slot, self.cfg.max_slots), True))
+        return built
 
-    def _dispatch(self, rows: list[Chunk | None], width: int, pages: int,
-                  verify: bool = False) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
-        inp = StepInput.build(rows, width, pages, self.cfg.max_slots)
+    def _dispatch(self, rows: list[Chunk | None], inp: StepInput,
+                  verify: bool) -> tuple[list[Chunk | None], Callable[[], StepOutput]]:
+        """Enqueues one built dispatch; no result is read here."""
         if self.draft is not None:  # the draft model's K/V follows every step's tokens, in pages of its own
             self.draft.dispatch(inp, verify=True) if verify else self.draft.dispatch(inp)
         if any(c is not None and c.sample and c.request.matcher is not None for c in rows):
@@ -452,17 +469,31 @@ class Engine:
         prompt = request.prompt_logprobs if first and request.params.prompt_logprobs is not None else None
         self._emit(request, kept, text, logprobs, prompt_logprobs=prompt)
 
+    def _start_masks(self, dispatched: Dispatched) -> None:
+        """Starts computing the masks of each dispatch in flight with constrained rows, off the engine thread. The
+        step before it has been read, so each row's matcher holds every token before the one this step samples; no
+        matcher is fed again until `_constrain` has the masks."""
+        for rows, result in dispatched:
+            if isinstance(result, _Unmasked):
+                matchers = [c.request.matcher if c is not None and c.sample and not c.request.finished else None
+                            for c in rows]
+                if self._mask_thread is None:
+                    self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="jaxserve-masks")
+                result.masks = self._mask_thread.submit(self._masks, matchers)
+
+    def _masks(self, matchers: list[Any]) -> np.ndarray:
+        start = time.perf_counter()
+        masks = self.grammars.masks(matchers)
+        self.stats.mask_s += time.perf_counter() - start
+        self.stats.masked_steps += 1
+        return masks
+
     def _constrain(self, dispatched: Dispatched) -> None:
-        """Gives each launched step with constrained rows its masks and enqueues its sampler. The step before it has
-        been read, so each row's matcher holds every token before the one this step samples."""
+        """Enqueues the masked sampler of each dispatch in flight with constrained rows, once its masks are done."""
         for i, (rows, result) in enumerate(dispatched):
             if isinstance(result, _Unmasked):
-                start = time.perf_counter()
-                masks = self.grammars.masks([c.request.matcher if c is not None and c.sample and not c.request.finished
-                                             else None for c in rows])
-                self.stats.mask_s += time.perf_counter() - start
-                self.stats.masked_steps += 1
-                dispatched[i] = (rows, result.sample(masks))
+                assert result.masks is not None
+                dispatched[i] = (rows, result.sample(result.masks.result()))
 
     def _follow_grammar(self, request: Request, token: int) -> bool:
         """Feeds a constrained request's matcher its token; finishes the request ("stop") where the grammar ends.
