@@ -31,19 +31,23 @@ def small_pool(parallel: ParallelConfig) -> EngineConfig:
 
 
 def test_tp3_sp4_greedy_equals_one_device_and_serves_a_context_no_device_holds(smollm):
-    tok = smollm.tokenizer
+    """A random 2-layer model of the embedded model's head layout (3 KV heads, 3 query heads each) and tokenizer."""
+    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=96, intermediate_size=128, num_layers=2,
+                      num_heads=9, num_kv_heads=3, head_dim=32, max_position_embeddings=256)
+    model = LoadedModel(cfg, random_weights(cfg, jax.random.key(5)), smollm.tokenizer, "tiny-3kv")
+    tok = model.tokenizer
     short = tok.encode("The capital of France is")
     long = tok.encode("Once upon a time, in a land far away, there lived a king who had three daughters. The eldest "
                       "was wise, the second was brave, and the youngest")
-    params = [SamplingParams(max_tokens=4, ignore_eos=True)] * 2
-    sharded = build_engine(smollm, small_pool(ParallelConfig(tp=3, sp=4)))
+    params = [SamplingParams(max_tokens=8, ignore_eos=True)] * 2
+    sharded = build_engine(model, small_pool(ParallelConfig(tp=3, sp=4)))
     per_device = sharded.runner.state.cache.k[0].addressable_shards[0].data.shape
-    assert per_device == (1, 2, 8, 64)  # one of the 3 KV heads, 2 of the 8 pages
-    assert len(long) + 4 > 2 * 8, "the long prompt's KV must not fit one device's pages"
+    assert per_device == (1, 2, 8, 32)  # one of the 3 KV heads, 2 of the 8 pages
+    assert len(long) + 8 > 2 * 8, "the long prompt's KV must not fit one device's pages"
     on_mesh = [r.output_ids for r in sharded.generate([short, long], params)]
-    alone = [r.output_ids for r in build_engine(smollm, small_pool(ParallelConfig())).generate([short, long], params)]
+    alone = [r.output_ids for r in build_engine(model, small_pool(ParallelConfig())).generate([short, long], params)]
     assert on_mesh == alone
-    assert tok.decode(on_mesh[0]).startswith(" Paris")
+    assert len(set(on_mesh[0] + on_mesh[1])) > 2  # (not one token over and over, which any sharding would give)
     sharded.scheduler.pages.check()
 
 

@@ -41,7 +41,8 @@ def prompts(smollm):
     out = []
     for i in range(64):
         text = asks[i % len(asks)].format(PASSAGES[i % len(PASSAGES)] if i % len(asks) < 4 else "winter number {i}")
-        out.append(tok.encode_chat([{"role": "user", "content": text}]))
+        # (a system message of its own: the template's default one would be most of each prompt's tokens)
+        out.append(tok.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]))
     return out
 
 

@@ -30,10 +30,23 @@ _SWITCH_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "attn_out_nor
 def _open(path: str) -> Any:
     import gguf
 
+    class Reader(gguf.GGUFReader):  # type: ignore[misc]
+        """gguf's reader over a plain array view of its memory map: the reader slices the file once for every
+        element of the tokenizer's arrays, and a slice of an np.memmap runs memmap's Python hooks each time (3.1 s
+        of the embedded model's load, 0.9 s without). The view keeps the map open; the bytes are the same."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)
+
     if not os.path.isfile(path):
         raise CheckpointError(f"no such model file: {path}")
     try:
-        return gguf.GGUFReader(path, "r")
+        return Reader(path, "r")
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad input
         raise CheckpointError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
 
