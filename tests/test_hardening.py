@@ -8,10 +8,14 @@ import urllib.error
 import urllib.request
 
 import grpc
+import jax
 import pytest
 
+from jaxserve.checkpoint import LoadedModel
 from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.model.config import ModelConfig
+from jaxserve.model.weights import random_weights
 from jaxserve.runner import build_engine
 from jaxserve.server.server import Server
 from tests.helpers import wait_until
@@ -27,8 +31,16 @@ UNREAD = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0), ("g
 
 
 @pytest.fixture(scope="module")
-def engine(smollm):
-    engine = build_engine(smollm, ENGINE)
+def model(smollm):
+    """A random 2-layer model with the embedded tokenizer: what these tests check is the server's, not the model's."""
+    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    return LoadedModel(cfg, random_weights(cfg, jax.random.key(7)), smollm.tokenizer, "tiny")
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    engine = build_engine(model, ENGINE)
     engine.start()
     yield engine
     engine.stop()
@@ -40,8 +52,8 @@ def start_server(engine, model, **overrides) -> Server:
 
 
 @pytest.fixture
-def server(engine, smollm):
-    server = start_server(engine, smollm, stream_idle_timeout_s=30.0)
+def server(engine, model):
+    server = start_server(engine, model, stream_idle_timeout_s=10.0)
     yield server
     server.stop()
 
@@ -67,17 +79,17 @@ def test_unread_streams_hold_no_place_and_are_cancelled_after_the_idle_timeout(s
         wait_until(lambda: server.service.held == 0, 60, "the engine to finish every unread stream")
         assert server.service.in_flight == 16, "the unread streams are still being written"
         assert timed_request(client) < 2.0
-        wait_until(lambda: server.service.in_flight == 0, 45, "the idle timeout to cancel the unread streams")
+        wait_until(lambda: server.service.in_flight == 0, 25, "the idle timeout to cancel the unread streams")
     for c, call in unread:
         with pytest.raises(grpc.RpcError) as error:
             list(call)
         assert error.value.code() == grpc.StatusCode.CANCELLED
-        assert "not read for stream_idle_timeout_s=30.0 s" in error.value.details()
+        assert "not read for stream_idle_timeout_s=10.0 s" in error.value.details()
         c.close()
 
 
-def test_a_stream_that_falls_too_far_behind_frees_its_slot_at_once(engine, smollm):
-    server = start_server(engine, smollm, stream_idle_timeout_s=60.0, stream_buffer_tokens=8)
+def test_a_stream_that_falls_too_far_behind_frees_its_slot_at_once(engine, model):
+    server = start_server(engine, model, stream_idle_timeout_s=60.0, stream_buffer_tokens=8)
     try:
         with Client(f"127.0.0.1:{server.port}", options=UNREAD) as slow:
             call = slow.generate(prompt=PARIS, max_tokens=100, ignore_eos=True, logprobs=20, timeout=120)
@@ -104,10 +116,10 @@ def flood(address: str, prompt: str, count: int) -> list[str]:
     return errors
 
 
-def test_huge_prompts_are_refused_before_tokenizing_and_do_not_slow_others(engine, smollm):
+def test_huge_prompts_are_refused_before_tokenizing_and_do_not_slow_others(engine, model):
     from concurrent.futures import ProcessPoolExecutor
 
-    server = start_server(engine, smollm, max_message_bytes=8 * 2**20)
+    server = start_server(engine, model, max_message_bytes=8 * 2**20)
     huge = "The quick brown fox. " * (4 * 2**20 // 21)  # ~4 MB
     address = f"127.0.0.1:{server.port}"
     try:
@@ -121,15 +133,17 @@ def test_huge_prompts_are_refused_before_tokenizing_and_do_not_slow_others(engin
                 floods = [pool.submit(flood, address, huge, 3) for _ in range(4)]
                 busy = sorted(timed_request(client) for _ in range(5))[2]
                 errors = [e for f in floods for e in f.result()]
-        assert busy < 2 * idle, (busy, idle)
+        # (a server that tokenized the floods would take seconds; a request of this model takes milliseconds, where
+        # the floods' processes alone, sharing the cores, add some)
+        assert busy < max(2 * idle, idle + 0.1), (busy, idle)
         assert len(errors) == 12 and all(e.startswith("INVALID_ARGUMENT: the request is ") and "max_prompt_bytes" in e
                               for e in errors), errors[:3]
     finally:
         server.stop()
 
 
-def test_chat_content_cannot_make_control_tokens(server, smollm):
-    tok = smollm.tokenizer
+def test_chat_content_cannot_make_control_tokens(server, model):
+    tok = model.tokenizer
     control = {tok.backend.token_to_id("<|im_start|>"), tok.backend.token_to_id("<|im_end|>")}
     with Client(f"127.0.0.1:{server.port}") as client:
         plain = client.tokenize(messages=[{"role": "user", "content": "hello"}])
@@ -152,8 +166,8 @@ def test_bad_utf8_is_invalid_argument(server):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "must be UTF-8" in e.details(), e
 
 
-def test_calls_past_their_deadline_free_their_place_at_once(engine, smollm):
-    server = start_server(engine, smollm, max_waiting=14)  # 16 in all
+def test_calls_past_their_deadline_free_their_place_at_once(engine, model):
+    server = start_server(engine, model, max_waiting=14)  # 16 in all
     codes: list[grpc.StatusCode] = []
     lock = threading.Lock()
     try:
@@ -184,14 +198,14 @@ def test_calls_past_their_deadline_free_their_place_at_once(engine, smollm):
 
 def test_model_info_names_the_model_without_its_path(server):
     with Client(f"127.0.0.1:{server.port}") as client:
-        assert client.model_info().source == "SmolLM2-135M-Instruct"
+        assert client.model_info().source == "SmolLM2-135M-Instruct"  # (the served config's model: the default)
     assert ServerConfig(model="/models/llama/Meta-Llama-3.1-8B.Q4_1.gguf").model_name == "Meta-Llama-3.1-8B.Q4_1"
     assert ServerConfig(model="/models/llama-3.1-8b-instruct/", served_model_name="llama").model_name == "llama"
 
 
-def test_metrics_listen_on_loopback_by_default_and_can_require_a_token(engine, smollm):
+def test_metrics_listen_on_loopback_by_default_and_can_require_a_token(engine, model):
     assert ServerConfig().metrics_host == "127.0.0.1"
-    server = start_server(engine, smollm, metrics_port=0, metrics_auth_token="s3cret")
+    server = start_server(engine, model, metrics_port=0, metrics_auth_token="s3cret")
     try:
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -203,8 +217,8 @@ def test_metrics_listen_on_loopback_by_default_and_can_require_a_token(engine, s
         server.stop()
 
 
-def test_template_failures_are_one_line_invalid_arguments(server, smollm, caplog):
-    tok = smollm.tokenizer
+def test_template_failures_are_one_line_invalid_arguments(server, model, caplog):
+    tok = model.tokenizer
     original = tok.chat_template
     try:
         for template, message in (("{{ 1 / 0 }}", "ZeroDivisionError"),
