@@ -30,12 +30,12 @@ _SWITCH_NORMS = {"q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "attn_out_nor
 def _open(path: str) -> Any:
     import gguf
 
-    class Reader(gguf.GGUFReader):  # type: ignore[misc]
+    class Reader(gguf.GGUFReader):
         """gguf's reader over a plain array view of its memory map: the reader slices the file once for every
         element of the tokenizer's arrays, and a slice of an np.memmap runs memmap's Python hooks each time (3.1 s
         of the embedded model's load, 0.9 s without). The view keeps the map open; the bytes are the same."""
 
-        @property
+        @property  # type: ignore[override]  # (an ndarray where gguf declares its memmap)
         def data(self) -> np.ndarray:
             return self._plain
 
