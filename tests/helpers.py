@@ -16,6 +16,12 @@ from jaxserve.model.transformer import ForwardOutput, forward
 from jaxserve.runner import build_engine
 from jaxserve.server.server import Server, model_info
 
+# One engine config for the checks that only need some prompts' greedy tokens (and for tests/test_speculative.py):
+# engines of one model and this config compile to the same programs, which the session's compilation cache
+# (tests/conftest.py) then serves to every such check after the first. Sequences up to 256 tokens.
+EMBEDDED_ENGINE = EngineConfig(max_slots=16, page_size=16, num_pages=256, max_pages_per_slot=16, chunk_buckets=(64,),
+                               decode_row_buckets=(16,))
+
 
 def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingParams, **engine_kw) -> list:
     """Generates every prompt through a freshly built engine; returns the finished requests."""
@@ -24,7 +30,8 @@ def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingPar
 
 
 def greedy(model: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    return [r.output_ids for r in run_engine(model, prompts, SamplingParams(max_tokens=max_tokens))]
+    engine = build_engine(model, EMBEDDED_ENGINE)
+    return [r.output_ids for r in engine.generate(prompts, [SamplingParams(max_tokens=max_tokens)] * len(prompts))]
 
 
 def full_forward(model: LoadedModel, ids: list[int], *, return_hidden: bool = False) -> ForwardOutput:

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.config import EngineConfig, SamplingParams, SpeculativeConfig
+from jaxserve.config import SamplingParams, SpeculativeConfig
 from jaxserve.engine.batch import StepInput
 from jaxserve.engine.speculative import ngram_proposal
 from jaxserve.model.sampler import SAMPLING_INPUTS, verify_fn
+from tests.helpers import EMBEDDED_ENGINE
 
-# one decode row count and one chunk width: few steps to compile for each of the module's engines
-ENGINE = EngineConfig(max_slots=16, page_size=16, num_pages=256, max_pages_per_slot=16, chunk_buckets=(64,),
-                      decode_row_buckets=(16,))
+# one decode row count and one chunk width: few steps to compile for each of the module's engines, the plain one
+# shared with other modules' greedy checks
+ENGINE = EMBEDDED_ENGINE
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4)
 PASSAGES = ["The quick brown fox jumps over the lazy dog, and the dog sleeps in the warm afternoon sun.",
             "Water boils at one hundred degrees Celsius at sea level, and it freezes at zero degrees.",
