@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,6 +22,18 @@ from jaxserve.server.server import Server, model_info
 # (tests/conftest.py) then serves to every such check after the first. Sequences up to 256 tokens.
 EMBEDDED_ENGINE = EngineConfig(max_slots=16, page_size=16, num_pages=256, max_pages_per_slot=16, chunk_buckets=(64,),
                                decode_row_buckets=(16,))
+
+
+def random_model(like: LoadedModel, seed: int, **shape: Any) -> LoadedModel:
+    """A random 2-layer Llama (4 query heads, 2 KV heads of 16, unless `shape` says otherwise) with `like`'s
+    vocabulary and tokenizer: for tests of what the engine or the server does, not of what a model says."""
+    from jaxserve.model.config import ModelConfig
+    from jaxserve.model.weights import random_weights
+
+    cfg = ModelConfig(**{"vocab_size": like.config.vocab_size, "hidden_size": 64, "intermediate_size": 96,
+                         "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                         "max_position_embeddings": 256, **shape})
+    return LoadedModel(cfg, random_weights(cfg, jax.random.key(seed)), like.tokenizer, "tiny")
 
 
 def run_engine(model: LoadedModel, prompts: list[list[int]], params: SamplingParams, **engine_kw) -> list:

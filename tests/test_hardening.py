@@ -8,17 +8,13 @@ import urllib.error
 import urllib.request
 
 import grpc
-import jax
 import pytest
 
-from jaxserve.checkpoint import LoadedModel
 from jaxserve.client import Client
 from jaxserve.config import EngineConfig, ServerConfig
-from jaxserve.model.config import ModelConfig
-from jaxserve.model.weights import random_weights
 from jaxserve.runner import build_engine
 from jaxserve.server.server import Server
-from tests.helpers import wait_until
+from tests.helpers import random_model, wait_until
 from tests.test_server import start_server as serve_on
 
 pytestmark = pytest.mark.slow
@@ -32,10 +28,8 @@ UNREAD = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0), ("g
 
 @pytest.fixture(scope="module")
 def model(smollm):
-    """A random 2-layer model with the embedded tokenizer: what these tests check is the server's, not the model's."""
-    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    return LoadedModel(cfg, random_weights(cfg, jax.random.key(7)), smollm.tokenizer, "tiny")
+    """What these tests check is the server's, not the model's."""
+    return random_model(smollm, 7)
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ import pytest
 from jaxserve.checkpoint import LoadedModel, save_model
 from jaxserve.cli import build_parser, parallel_from_args
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams, engine_config_for
-from jaxserve.model.config import ModelConfig
-from jaxserve.model.weights import random_weights
 from jaxserve.runner import build_engine
+from tests.helpers import random_model
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jax.device_count() < 12, reason="needs 12 devices (XLA_FLAGS, see tests/conftest.py)")]
@@ -32,9 +31,7 @@ def small_pool(parallel: ParallelConfig) -> EngineConfig:
 
 def test_tp3_sp4_greedy_equals_one_device_and_serves_a_context_no_device_holds(smollm):
     """A random 2-layer model of the embedded model's head layout (3 KV heads, 3 query heads each) and tokenizer."""
-    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=96, intermediate_size=128, num_layers=2,
-                      num_heads=9, num_kv_heads=3, head_dim=32, max_position_embeddings=256)
-    model = LoadedModel(cfg, random_weights(cfg, jax.random.key(5)), smollm.tokenizer, "tiny-3kv")
+    model = random_model(smollm, 5, hidden_size=96, intermediate_size=128, num_heads=9, num_kv_heads=3, head_dim=32)
     tok = model.tokenizer
     short = tok.encode("The capital of France is")
     long = tok.encode("Once upon a time, in a land far away, there lived a king who had three daughters. The eldest "
@@ -61,9 +58,7 @@ def test_parallel_flags_reach_the_engine_config():
 @pytest.fixture(scope="module")
 def tiny(smollm, tmp_path_factory) -> tuple[LoadedModel, str]:
     """A random 2-layer model (4 query heads, 2 KV heads) with the embedded tokenizer, saved to disk."""
-    cfg = ModelConfig(vocab_size=smollm.config.vocab_size, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    model = LoadedModel(cfg, random_weights(cfg, jax.random.key(3)), smollm.tokenizer, "tiny")
+    model = random_model(smollm, 3)
     path = str(tmp_path_factory.mktemp("tiny") / "model")
     save_model(model, path)
     return model, path
