@@ -59,7 +59,11 @@ def full_forward(model: LoadedModel, ids: list[int], *, return_hidden: bool = Fa
 
 
 def logits_of(model: LoadedModel, ids: list[int]) -> np.ndarray:
-    return np.asarray(full_forward(model, ids).logits[0])
+    """The logits [len(ids), vocab] of one row. The row is padded at its end to a power of two (at least 64):
+    attention is causal, so the padding changes no real position's logits, and the step-by-step references,
+    which call this once per token, reuse a few compiled shapes instead of compiling one per length."""
+    width = max(64, 1 << (len(ids) - 1).bit_length())
+    return np.asarray(full_forward(model, ids + [0] * (width - len(ids))).logits[0, :len(ids)])
 
 
 def wait_until(condition, timeout: float = 10.0, what: str = "condition", poll: float = 0.02) -> None:
