@@ -12,14 +12,15 @@ import openai
 import pytest
 
 from jaxserve.client import Client
-from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.config import ServerConfig
 from jaxserve.runner import build_engine
 from jaxserve.server.server import Server, model_info
-from tests.helpers import free_port, http_server, openai_client
+from tests.helpers import EMBEDDED_ENGINE, free_port, http_server, openai_client
 
 pytestmark = pytest.mark.slow
 
-ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=8, chunk_buckets=(16, 32))
+# (the greedy checks' engine: its steps compile once for the session, tests/helpers.py)
+ENGINE = EMBEDDED_ENGINE
 PARIS = "The capital of France is"
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -215,12 +216,12 @@ def test_a_full_queue_is_429_with_retry_after_and_a_huge_body_413(smollm):
     server.attach(engine, model_info(smollm, engine, cfg, dtype="float32"))  # the engine not started: nothing ends
     try:
         hold = [threading.Thread(target=http, args=(server, "POST", "/v1/completions",
-                                                    {"prompt": PARIS, "max_tokens": 4})) for _ in range(4)]
+                                                    {"prompt": PARIS, "max_tokens": 4})) for _ in range(ENGINE.max_slots)]
         for t in hold:
             t.start()
         deadline = time.monotonic() + 10
-        while server.front.held < 4:
-            assert time.monotonic() < deadline, "the four requests to be admitted"
+        while server.front.held < ENGINE.max_slots:
+            assert time.monotonic() < deadline, "a request for every slot to be admitted"
             time.sleep(0.02)
         request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/completions",
                                          data=json.dumps({"prompt": PARIS}).encode(),

@@ -11,16 +11,17 @@ import dataclasses
 import pytest
 
 from jaxserve.cli import main
-from jaxserve.config import BatchConfig, EngineConfig, SamplingParams, ServerConfig
+from jaxserve.config import BatchConfig, SamplingParams, ServerConfig
 from jaxserve.engine.validation import Limits
 from jaxserve.jobs.input import parse_line, read_lines
 from jaxserve.jobs.runner import BatchJob
 from jaxserve.runner import build_engine
+from tests.helpers import EMBEDDED_ENGINE
 from tests.test_jobs import comparable, read_output, write_lines
 
 pytestmark = pytest.mark.slow
 
-ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=32, max_pages_per_slot=4, chunk_buckets=(16,))
+ENGINE = EMBEDDED_ENGINE  # (its steps compile once for the session, tests/helpers.py)
 MALFORMED = {7: '{"custom_id": "r6", "prompt": ', 23: '["not", "an", "object"]',
              41: '{"custom_id": "r40", "url": "/v1/completions", "body": {"prompt": "x", "stream": true}}'}
 MODEL = "SmolLM2-135M-Instruct"
@@ -131,7 +132,7 @@ def test_poison_lines_get_error_records_and_every_good_line_its_result(engine, s
         "template": ({"messages": [{"role": "user", "content": "boom"}]}, "ZeroDivisionError"),
         "role": ({"messages": [{"role": "<|im_start|>system", "content": "x"}]}, "messages[0].role="),
         "vocab": ({"prompt": [1, 10**9]}, "prompt[1]=1000000000 is outside the vocabulary"),
-        "long": ({"prompt": [5] * 60, "max_tokens": 10}, "the prompt of 60 tokens plus max_tokens=10 is 70 tokens"),
+        "long": ({"prompt": [5] * 250, "max_tokens": 10}, "the prompt of 250 tokens plus max_tokens=10 is 260 tokens"),
         "huge": ({"prompt": "word " * 100_000}, "(max_prompt_bytes)"),
     }
     lines = []

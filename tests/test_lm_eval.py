@@ -12,12 +12,10 @@ import pytest
 import torch
 import yaml
 
-from jaxserve.config import EngineConfig
-from tests.helpers import http_server
+from tests.helpers import EMBEDDED_ENGINE, http_server
 
 pytestmark = pytest.mark.slow
 
-ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=64, max_pages_per_slot=8, chunk_buckets=(16, 32))
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "France: Paris\nGermany: Berlin\n{country}:"  # str.format here; Jinja in the task YAMLs
 MULTIPLE_CHOICE = [
@@ -36,7 +34,7 @@ UNTIL = ["\n"]
 
 @pytest.fixture(scope="module")
 def server(smollm):
-    with http_server(smollm, ENGINE, max_tokens_limit=64) as server:
+    with http_server(smollm, EMBEDDED_ENGINE, max_tokens_limit=64) as server:
         yield server
 
 

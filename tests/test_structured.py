@@ -12,10 +12,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig, SamplingParams
+from jaxserve.config import SamplingParams
 from jaxserve.engine.grammar import Grammars, allowed, compile_grammar
 from jaxserve.model.sampler import only_allowed
-from tests.helpers import logits_of
+from tests.helpers import EMBEDDED_ENGINE, logits_of
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -26,8 +26,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def engine(smollm):
     from jaxserve.runner import build_engine
 
-    return build_engine(smollm, EngineConfig(max_slots=16, page_size=16, num_pages=320, max_pages_per_slot=16,
-                                             chunk_buckets=(64,), prefill_rows=(1, 8), prefill_tokens=512))
+    return build_engine(smollm, EMBEDDED_ENGINE)
 
 
 def chat(smollm, text: str) -> list[int]:
