@@ -15,12 +15,11 @@ from jaxserve.client import Client
 from jaxserve.config import ServerConfig
 from jaxserve.runner import build_engine
 from jaxserve.server.server import Server, model_info
-from tests.helpers import EMBEDDED_ENGINE, free_port, http_server, openai_client
+from tests.helpers import SERVING_ENGINE, free_port, http_server, openai_client
 
 pytestmark = pytest.mark.slow
 
-# (the greedy checks' engine: its steps compile once for the session, tests/helpers.py)
-ENGINE = EMBEDDED_ENGINE
+ENGINE = SERVING_ENGINE
 PARIS = "The capital of France is"
 MODEL = "SmolLM2-135M-Instruct"
 

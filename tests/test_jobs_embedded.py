@@ -16,12 +16,12 @@ from jaxserve.engine.validation import Limits
 from jaxserve.jobs.input import parse_line, read_lines
 from jaxserve.jobs.runner import BatchJob
 from jaxserve.runner import build_engine
-from tests.helpers import EMBEDDED_ENGINE
+from tests.helpers import SERVING_ENGINE
 from tests.test_jobs import comparable, read_output, write_lines
 
 pytestmark = pytest.mark.slow
 
-ENGINE = EMBEDDED_ENGINE  # (its steps compile once for the session, tests/helpers.py)
+ENGINE = SERVING_ENGINE
 MALFORMED = {7: '{"custom_id": "r6", "prompt": ', 23: '["not", "an", "object"]',
              41: '{"custom_id": "r40", "url": "/v1/completions", "body": {"prompt": "x", "stream": true}}'}
 MODEL = "SmolLM2-135M-Instruct"
@@ -132,7 +132,7 @@ def test_poison_lines_get_error_records_and_every_good_line_its_result(engine, s
         "template": ({"messages": [{"role": "user", "content": "boom"}]}, "ZeroDivisionError"),
         "role": ({"messages": [{"role": "<|im_start|>system", "content": "x"}]}, "messages[0].role="),
         "vocab": ({"prompt": [1, 10**9]}, "prompt[1]=1000000000 is outside the vocabulary"),
-        "long": ({"prompt": [5] * 250, "max_tokens": 10}, "the prompt of 250 tokens plus max_tokens=10 is 260 tokens"),
+        "long": ({"prompt": [5] * 510, "max_tokens": 10}, "the prompt of 510 tokens plus max_tokens=10 is 520 tokens"),
         "huge": ({"prompt": "word " * 100_000}, "(max_prompt_bytes)"),
     }
     lines = []

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import EMBEDDED_ENGINE, http_server
+from tests.helpers import SERVING_ENGINE, http_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ UNTIL = ["\n"]
 
 @pytest.fixture(scope="module")
 def server(smollm):
-    with http_server(smollm, EMBEDDED_ENGINE, max_tokens_limit=64) as server:
+    with http_server(smollm, SERVING_ENGINE, max_tokens_limit=64) as server:
         yield server
 
 

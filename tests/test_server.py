@@ -24,17 +24,17 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from jaxserve.client import TLS, AsyncClient, Client
-from jaxserve.config import EngineConfig, ServerConfig
+from jaxserve.config import ServerConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.runner import build_engine, compilation_count
 from jaxserve.server.server import Server, model_info
 from tests import certs
-from tests.helpers import free_port, wait_until
+from tests.helpers import SERVING_ENGINE, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE = EngineConfig(max_slots=8, page_size=16, num_pages=64, max_pages_per_slot=8, chunk_buckets=(16,))
+ENGINE = SERVING_ENGINE
 PARIS = "The capital of France is"
 LONG = {"max_tokens": 100, "ignore_eos": True}  # a stream that outlives the test's interest in it
 
@@ -210,7 +210,7 @@ BAD_INPUTS = [
     ({"messages": []}, "messages.messages=[] must be a non-empty list"),
     ({"token_ids": [1, 49152]}, "token_ids.ids[1]=49152 is outside the vocabulary [0, 49152)"),
     ({"token_ids": [5, -3]}, "token_ids.ids[1]=-3 is outside the vocabulary"),
-    ({"token_ids": [7] * 100, "max_tokens": 50}, "prompt of 100 tokens plus sampling.max_tokens=50 is 150 tokens"),
+    ({"token_ids": [7] * 500, "max_tokens": 50}, "prompt of 500 tokens plus sampling.max_tokens=50 is 550 tokens"),
     ({"prompt": PARIS, "max_tokens": 0}, "sampling.max_tokens=0 must be between 1 and 100"),
     ({"prompt": PARIS, "max_tokens": 101}, "sampling.max_tokens=101 must be between 1 and 100"),
     ({"prompt": PARIS, "temperature": -0.5}, "sampling.temperature=-0.5 must be a finite number >= 0"),

@@ -16,17 +16,17 @@ import pytest
 
 from jaxserve import tool_calls
 from jaxserve.client import Client
-from jaxserve.config import BatchConfig, EngineConfig, SamplingParams
+from jaxserve.config import BatchConfig, SamplingParams
 from jaxserve.engine.grammar import compile_grammar
 from jaxserve.jobs.runner import BatchJob
 from jaxserve.runner import build_engine
-from tests.helpers import free_port, openai_client
+from tests.helpers import SERVING_ENGINE, free_port, openai_client
 from tests.test_jobs import read_output, write_lines
 from tests.test_server import start_server
 
 pytestmark = pytest.mark.slow
 
-ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=160, max_pages_per_slot=32, chunk_buckets=(16, 32))
+ENGINE = SERVING_ENGINE
 TEMPLATE = os.path.join(os.path.dirname(__file__), "data", "qwen2_tools.jinja")
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
