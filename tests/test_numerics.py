@@ -47,11 +47,17 @@ def test_hidden_states_and_logits_match_transformers(smollm, hf_model, hf_tokeni
     assert_close_rel(np.asarray(out.logits), ref.logits.numpy(), "logits")
 
 
-def _hf_greedy(hf_model, prompt_ids: list[int], max_new: int, eos: list[int]) -> list[int]:
+def _hf_greedy(hf_model, prompts: list[list[int]], max_new: int, eos: list[int]) -> list[list[int]]:
+    """transformers' greedy continuations of the prompts, in one left-padded batch (its tokens for these prompts
+    equal those of one generate call each, at a fifth of the time), each cut after its first end token."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False,
-                                eos_token_id=eos, pad_token_id=eos[0])
-    return out[0, len(prompt_ids):].tolist()
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                                pad_token_id=eos[0])
+    rows = out[:, width:].tolist()
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
 
 
 def test_greedy_continuations_equal_transformers(smollm, hf_model, hf_tokenizer):
@@ -64,7 +70,6 @@ def test_greedy_continuations_equal_transformers(smollm, hf_model, hf_tokenizer)
         assert ids == list(expected), "chat template renders differently from transformers"
     max_new = 20
     ours = greedy(smollm, prompts, max_new)
-    for prompt, output in zip(prompts, ours):
-        expected = _hf_greedy(hf_model, prompt, max_new, list(tok.eos_token_ids))
+    for prompt, output, expected in zip(prompts, ours, _hf_greedy(hf_model, prompts, max_new, list(tok.eos_token_ids))):
         assert output == expected, tok.decode(prompt)
     assert "Paris" in tok.decode(ours[0])
