@@ -80,12 +80,13 @@ def test_bench_json_reports_throughput_and_latency():
 
 def test_bench_with_a_serve_config_runs_that_configs_engine(tmp_path):
     config = tmp_path / "serve.yaml"
-    config.write_text("engine:\n  max_slots: 3\n  num_pages: 40\n  max_pages_per_slot: 8\n  chunk_buckets: [16, 32]\n")
+    # (tests/helpers.SERVING_ENGINE: the test modules' servers compile the same steps, which the session's cache holds)
+    config.write_text("engine:\n  max_slots: 4\n  num_pages: 160\n  max_pages_per_slot: 32\n  chunk_buckets: [16, 32]\n")
     proc = jaxserve("bench", "--config", str(config), "--num-requests", "4", "--input-len", "20", "--output-len", "5",
                     "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert (result["max_slots"], result["output_tokens"]) == (3, 20)
+    assert (result["max_slots"], result["output_tokens"]) == (4, 20)
     both = jaxserve("bench", "--config", str(config), "--max-slots", "2")
     assert both.returncode == 2 and "--max-slots=2 and --config both size the engine" in both.stderr
 
