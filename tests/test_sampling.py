@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxserve.config import EngineConfig, SamplingParams
-from tests.helpers import logits_of
+from jaxserve.config import SamplingParams
+from tests.helpers import SERVING_ENGINE, logits_of
 from tests.test_sampler import reference
 
 TEXT = ("The history of the city begins with a small village on the river, where fishermen and traders met to "
@@ -20,9 +20,8 @@ TEXT = ("The history of the city begins with a small village on the river, where
 def engine(smollm):
     from jaxserve.runner import build_engine
 
-    # 16-token chunks: a prompt of ~40 tokens crosses two chunk boundaries
-    return build_engine(smollm, EngineConfig(max_slots=8, page_size=16, num_pages=96, max_pages_per_slot=8,
-                                             chunk_buckets=(16,), prefill_rows=(1, 2)))
+    # (chunks of at most 32 tokens: the prompt of ~40 crosses a chunk boundary)
+    return build_engine(smollm, SERVING_ENGINE)
 
 
 @pytest.fixture(scope="module")
