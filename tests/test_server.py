@@ -482,8 +482,9 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
     config = tmp_path / "serve.yaml"
     config.write_text(f"host: 127.0.0.1\nhttp_port: {http_port}\nmetrics_port: null\ndrain_timeout_s: 60\n"
                       "max_tokens_limit: 200\n"
-                      "engine:\n  max_slots: 2\n  page_size: 16\n  num_pages: 32\n  max_pages_per_slot: 16\n"
-                      "  chunk_buckets: [16]\n")
+                      # (tests/helpers.SERVING_ENGINE: steps the session's compilation cache holds)
+                      "engine:\n  max_slots: 4\n  page_size: 16\n  num_pages: 160\n  max_pages_per_slot: 32\n"
+                      "  chunk_buckets: [16, 32]\n")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
