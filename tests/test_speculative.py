@@ -194,20 +194,25 @@ def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_
     assert pages.num_available == pages.num_pages
 
 
-def test_preemption_under_speculation_and_the_spec_decode_metrics(smollm, engines, prompts):
+def test_preemption_under_speculation_and_the_spec_decode_metrics(random_draft):
     """With too few pages for every sequence, speculating requests are preempted and recomputed and still give
-    their greedy tokens; the counters reach the Prometheus registry under vLLM's names."""
+    their greedy tokens; the counters reach the Prometheus registry under vLLM's names. On the small random model
+    (what is checked holds for any model), its prompts repeating themselves so that n-gram lookup drafts."""
     from prometheus_client import generate_latest
 
+    from jaxserve.checkpoint import load_model
     from jaxserve.runner import build_engine
     from jaxserve.server.metrics import Metrics
 
-    tight = dataclasses.replace(ENGINE, max_slots=8, decode_row_buckets=(8,), num_pages=20, speculative=NGRAM)
-    engine = build_engine(smollm, tight)
-    params = [SamplingParams(max_tokens=20)] * 8
-    got = engine.generate(prompts[:8], params)
-    assert engine.scheduler.num_preemptions > 0
-    assert [r.output_ids for r in got] == [r.output_ids for r in engines[0].generate(prompts[:8], params)]
+    model = load_model(random_draft, dtype="float32")
+    tight = dataclasses.replace(ENGINE, max_slots=8, decode_row_buckets=(8,), num_pages=20)
+    prompts = [[(7 * i + j) % 50 + 3 for j in range(12)] * 3 for i in range(8)]  # 8 x 56 tokens in 20 pages of 16
+    params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 8
+    want = [r.output_ids for r in build_engine(model, tight).generate(prompts, params)]
+    engine = build_engine(model, dataclasses.replace(tight, speculative=NGRAM))
+    got = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0 and engine.spec.num_draft_tokens > 0
+    assert [r.output_ids for r in got] == want
     metrics = Metrics("m")
     metrics._engine.engine = engine
     page = generate_latest(metrics.registry).decode()
