@@ -22,8 +22,8 @@ from jaxserve.server.server import Server, model_info
 # (tests/conftest.py) then serves to every such check after the first. Sequences up to 256 tokens.
 EMBEDDED_ENGINE = EngineConfig(max_slots=16, page_size=16, num_pages=256, max_pages_per_slot=16, chunk_buckets=(64,),
                                decode_row_buckets=(16,))
-# One engine config for the modules that serve the embedded model a few requests at a time (gRPC, HTTP, lm-eval,
-# tool calls, batch jobs): its steps too compile once for the session. Sequences up to 512 tokens (a tool
+# One engine config for the modules that serve the embedded model a few requests at a time (gRPC, HTTP, sampling,
+# lm-eval, tool calls, batch jobs): its steps too compile once for the session. Sequences up to 512 tokens (a tool
 # template's prompts); decode steps of 1 and 4 rows (EMBEDDED_ENGINE's 16 would mostly compute padding here).
 SERVING_ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=160, max_pages_per_slot=32, chunk_buckets=(16, 32))
 
