@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers import SERVING_FIELDS
+
 pytestmark = pytest.mark.slow
 
 
@@ -80,8 +82,8 @@ def test_bench_json_reports_throughput_and_latency():
 
 def test_bench_with_a_serve_config_runs_that_configs_engine(tmp_path):
     config = tmp_path / "serve.yaml"
-    # (tests/helpers.SERVING_ENGINE: the test modules' servers compile the same steps, which the session's cache holds)
-    config.write_text("engine:\n  max_slots: 4\n  num_pages: 160\n  max_pages_per_slot: 32\n  chunk_buckets: [16, 32]\n")
+    # (the test modules' servers compile the same steps, which the session's cache holds; JSON is YAML)
+    config.write_text(json.dumps({"engine": SERVING_FIELDS}))
     proc = jaxserve("bench", "--config", str(config), "--num-requests", "4", "--input-len", "20", "--output-len", "5",
                     "--json")
     assert proc.returncode == 0, proc.stderr

@@ -29,7 +29,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.runner import build_engine, compilation_count
 from jaxserve.server.server import Server, model_info
 from tests import certs
-from tests.helpers import SERVING_ENGINE, free_port, wait_until
+from tests.helpers import SERVING_ENGINE, SERVING_FIELDS, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -480,11 +480,8 @@ def test_client_generate_streams_to_the_terminal(server):
 def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
     port, http_port = free_port(), free_port()
     config = tmp_path / "serve.yaml"
-    config.write_text(f"host: 127.0.0.1\nhttp_port: {http_port}\nmetrics_port: null\ndrain_timeout_s: 60\n"
-                      "max_tokens_limit: 200\n"
-                      # (tests/helpers.SERVING_ENGINE: steps the session's compilation cache holds)
-                      "engine:\n  max_slots: 4\n  page_size: 16\n  num_pages: 160\n  max_pages_per_slot: 32\n"
-                      "  chunk_buckets: [16, 32]\n")
+    config.write_text(json.dumps({"host": "127.0.0.1", "http_port": http_port, "metrics_port": None,  # (JSON is YAML)
+                                  "drain_timeout_s": 60, "max_tokens_limit": 200, "engine": SERVING_FIELDS}))
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -171,12 +171,19 @@ def random_draft(tmp_path_factory, smollm) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def random_llama(random_draft):
+    """That random Llama loaded as a target, for the checks that hold for any model."""
+    from jaxserve.checkpoint import load_model
+
+    return load_model(random_draft, dtype="float32")
+
+
 @pytest.mark.parametrize("target", ["random", "embedded"])
-def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_load, random_draft, target):
+def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_load, random_draft, target, request):
     """A small random Llama of the embedded model's vocabulary as the draft. As its own target, over the 32 requests,
     it has every draft accepted; drafting for the embedded model, over 16 of them, it has most rejected. Either way
     the tokens are the target's."""
-    from jaxserve.checkpoint import load_model
     from jaxserve.runner import build_engine
 
     spec = SpeculativeConfig(method="draft", num_tokens=3, model=random_draft)
@@ -184,7 +191,7 @@ def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_
     if target == "embedded":
         model, prompts, params, want = smollm, prompts[:16], params[:16], want[:16]
     else:
-        model = load_model(random_draft, dtype="float32")
+        model = request.getfixturevalue("random_llama")
         want = [r.output_ids for r in build_engine(model, ENGINE).generate(prompts, params)]
     engine = build_engine(model, dataclasses.replace(ENGINE, speculative=spec))
     assert [r.output_ids for r in engine.generate(prompts, params)] == want
@@ -194,17 +201,16 @@ def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_
     assert pages.num_available == pages.num_pages
 
 
-def test_preemption_under_speculation_and_the_spec_decode_metrics(random_draft):
+def test_preemption_under_speculation_and_the_spec_decode_metrics(random_llama):
     """With too few pages for every sequence, speculating requests are preempted and recomputed and still give
     their greedy tokens; the counters reach the Prometheus registry under vLLM's names. On the small random model
     (what is checked holds for any model), its prompts repeating themselves so that n-gram lookup drafts."""
     from prometheus_client import generate_latest
 
-    from jaxserve.checkpoint import load_model
     from jaxserve.runner import build_engine
     from jaxserve.server.metrics import Metrics
 
-    model = load_model(random_draft, dtype="float32")
+    model = random_llama
     tight = dataclasses.replace(ENGINE, max_slots=8, decode_row_buckets=(8,), num_pages=20)
     prompts = [[(7 * i + j) % 50 + 3 for j in range(12)] * 3 for i in range(8)]  # 8 x 56 tokens in 20 pages of 16
     params = [SamplingParams(max_tokens=20, ignore_eos=True)] * 8
