@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,6 +91,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cpu_env(devices: int, **extra: str) -> dict[str, str]:
+    """This process's environment for a child process on `devices` fake CPU devices. It keeps the suite's other XLA
+    flags and its compilation cache (tests/conftest.py): a child given bare XLA_FLAGS compiled at full LLVM
+    optimisation, and its programs missed the cache the suite's own processes fill."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags), **extra}
 
 
 @contextlib.contextmanager

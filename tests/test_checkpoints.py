@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jaxserve.checkpoint import load_model, save_model
-from tests.helpers import greedy, logits_of
+from tests.helpers import logits_of
 from tests.tiny_models import hf_tiny, write_gguf
 
 IDS = [5, 17, 200, 31, 99, 4, 250, 1, 64, 128, 7, 3]
@@ -136,18 +136,22 @@ def test_orbax_round_trip_needs_no_source(tmp_path, smollm):
     assert restored.config == smollm.config
     for a, b in zip(jax.tree_util.tree_leaves(smollm.weights), jax.tree_util.tree_leaves(restored.weights)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    prompt = smollm.tokenizer.encode("The capital of France is")
-    assert restored.tokenizer.encode("The capital of France is") == prompt
-    assert restored.tokenizer.chat_template == smollm.tokenizer.chat_template
-    assert greedy(restored, [prompt], 8) == greedy(smollm, [prompt], 8)
+        assert a.dtype == b.dtype
+    # the same weights, config and tokenizer: whatever the source generates, the checkpoint generates
+    saved, source = restored.tokenizer, smollm.tokenizer
+    assert saved.backend.to_str() == source.backend.to_str()
+    assert (saved.bos_token_id, saved.eos_token_ids, saved.chat_template, saved.special_tokens) == (
+        source.bos_token_id, source.eos_token_ids, source.chat_template, source.special_tokens)
+    assert saved.encode("The capital of France is") == source.encode("The capital of France is")
 
 
 def test_bfloat16_load(embedded_path):
     model = load_model(embedded_path, dtype="bfloat16")
     assert {x.dtype for x in jax.tree_util.tree_leaves(model.weights)} == {jnp.dtype(jnp.bfloat16)}
-    prompt = model.tokenizer.encode("The capital of France is")
-    out = greedy(model, [prompt], 4)[0]
-    assert model.tokenizer.decode(out).startswith(" Paris")
+    ids = model.tokenizer.encode("The capital of France is")
+    for _ in range(4):  # greedy, one whole forward a token (logits_of pads them all to one compiled shape)
+        ids.append(int(np.argmax(logits_of(model, ids)[-1])))
+    assert model.tokenizer.decode(ids[5:]).startswith(" Paris")
 
 
 def test_random_models_have_real_shapes_and_a_tokenizer_for_every_id():

@@ -20,6 +20,7 @@ from jaxserve.errors import JaxserveError
 from jaxserve.model.config import ModelConfig
 from jaxserve.model.weights import random_weights
 from jaxserve.runner import build_engine, compilation_count
+from tests.helpers import SERVING_ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -44,10 +45,9 @@ def alone_small(small):
 
 
 @pytest.fixture(scope="module")
-def alone_engine(smollm):
-    """One slot and plenty of pages: every request runs alone. Its prompts are short: one chunk size."""
-    return build_engine(smollm, EngineConfig(max_slots=1, page_size=16, num_pages=8, max_pages_per_slot=8,
-                                             chunk_buckets=(16,)))
+def embedded_engine(smollm):
+    """The embedded model in the serving modules' engine config, whose steps the session compiles once."""
+    return build_engine(smollm, SERVING_ENGINE)
 
 
 def test_64_requests_through_a_small_pool_match_running_alone(small, alone_small):
@@ -63,8 +63,10 @@ def test_64_requests_through_a_small_pool_match_running_alone(small, alone_small
         stop = alone[i][len(alone[i]) // 2]
         params[i] = SamplingParams(max_tokens=params[i].max_tokens, ignore_eos=True, stop_token_ids=(stop,))
         expected[i] = alone[i][:alone[i].index(stop) + 1]
+    # (decode steps of all 8 rows only: the row buckets are another test's; each would add three steps to compile)
     crowded = build_engine(small, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
-                                                chunk_buckets=(16, 64), prefill_rows=(1, 4), decode_page_buckets=(1, 2)))
+                                                chunk_buckets=(16, 64), prefill_rows=(1, 4), decode_page_buckets=(1, 2),
+                                                decode_row_buckets=(8,)))
     shapes = []
     dispatch = crowded.runner.dispatch
     crowded.runner.dispatch = lambda inp: (shapes.append(inp.shape), dispatch(inp))[1]  # type: ignore[method-assign]
@@ -100,7 +102,7 @@ def test_common_prefix_is_stored_once(small):
 
 def test_long_prompt_never_stalls_decoding_streams(small):
     engine = build_engine(small, EngineConfig(max_slots=9, page_size=16, num_pages=200, max_pages_per_slot=130,
-                                               chunk_buckets=(16, 256)))
+                                               chunk_buckets=(16, 256), decode_row_buckets=(9,)))
     streams = [engine.submit(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in random_prompts(8, 4, 12)]
     while any(not s.output_ids for s in streams):
         engine.step()
@@ -127,31 +129,32 @@ def test_no_compilation_after_warm_up(small):
     assert compilation_count() == before
 
 
-def test_cancel_frees_slot_and_pages_within_a_step(smollm, alone_engine):
-    request = alone_engine.submit([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+def test_cancel_frees_slot_and_pages_within_a_step(smollm, embedded_engine):
+    request = embedded_engine.submit([5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
     for _ in range(3):
-        alone_engine.step()
-    assert request.pages and alone_engine.scheduler.slots.num_free == 0
-    alone_engine.cancel(request.request_id)
-    alone_engine.step()
+        embedded_engine.step()
+    slots = embedded_engine.scheduler.slots
+    assert request.pages and slots.num_free == SERVING_ENGINE.max_slots - 1
+    embedded_engine.cancel(request.request_id)
+    embedded_engine.step()
     assert request.finish_reason == "abort"
-    assert alone_engine.scheduler.slots.num_free == 1
-    assert all(ref == 0 for ref in alone_engine.scheduler.pages.refs)
+    assert slots.num_free == SERVING_ENGINE.max_slots
+    assert all(ref == 0 for ref in embedded_engine.scheduler.pages.refs)
 
 
-def test_stop_strings_logprobs_and_stop_tokens(smollm, alone_engine):
+def test_stop_strings_logprobs_and_stop_tokens(smollm, embedded_engine):
     tok = smollm.tokenizer
     prompt = tok.encode("The capital of France is")
-    full = alone_engine.generate([prompt], [SamplingParams(max_tokens=12, logprobs=5)])[0]
+    full = embedded_engine.generate([prompt], [SamplingParams(max_tokens=12, logprobs=5)])[0]
     assert full.text.startswith(" Paris.")
     assert len(full.logprobs) == len(full.output_ids)
     for token, (chosen, top) in zip(full.output_ids, full.logprobs):
         assert len(top) == 5 and top[0][0] == token and top[0][1] == pytest.approx(chosen)
         assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
-    cut = alone_engine.generate([prompt], [SamplingParams(max_tokens=12, stop=(".",))])[0]
+    cut = embedded_engine.generate([prompt], [SamplingParams(max_tokens=12, stop=(".",))])[0]
     assert cut.text == " Paris" and cut.finish_reason == "stop"
     paris = full.output_ids[0]
-    by_id = alone_engine.generate([prompt], [SamplingParams(max_tokens=12, stop_token_ids=(paris,))])[0]
+    by_id = embedded_engine.generate([prompt], [SamplingParams(max_tokens=12, stop_token_ids=(paris,))])[0]
     assert by_id.output_ids == [paris] and by_id.finish_reason == "stop"
 
 
@@ -165,13 +168,13 @@ def test_seeded_sampling_does_not_depend_on_batch(small, alone_small):
     assert len({tuple(r.output_ids) for r in batched}) > 1
 
 
-def test_engine_thread_streams_updates_through_outboxes(smollm, alone_engine):
+def test_engine_thread_streams_updates_through_outboxes(smollm, embedded_engine):
     prompt = smollm.tokenizer.encode("The capital of France is")
-    alone_engine.start()
+    embedded_engine.start()
     try:
-        requests = [alone_engine.submit(prompt, SamplingParams(max_tokens=10)) for _ in range(2)]
+        requests = [embedded_engine.submit(prompt, SamplingParams(max_tokens=10)) for _ in range(2)]
         for request in requests:
-            box = alone_engine.outbox(request.request_id)
+            box = embedded_engine.outbox(request.request_id)
             ids, text, reason = [], "", None
             while reason is None:
                 update = box.get(timeout=120)
@@ -181,7 +184,7 @@ def test_engine_thread_streams_updates_through_outboxes(smollm, alone_engine):
             assert ids == request.output_ids and text == request.text and reason == request.finish_reason
             assert text.startswith(" Paris")
     finally:
-        alone_engine.stop()
+        embedded_engine.stop()
 
 
 def test_no_step_branches_on_a_device_value(small):
@@ -216,7 +219,7 @@ def test_kv_pages_sized_from_device_memory():
 def test_float8_kv_cache_answers_paris(smollm):
     """float8_e4m3fn pages: one byte a value, and the embedded model's answer survives them. (What they cost in
     quality is measured by benchmarks/kv_fp8_cpu.py: perplexity +1.65 % on the held-out text.)"""
-    cfg = EngineConfig(max_slots=2, page_size=16, num_pages=16, max_pages_per_slot=8, chunk_buckets=(16,),
+    cfg = EngineConfig(max_slots=1, page_size=16, num_pages=16, max_pages_per_slot=8, chunk_buckets=(16,),
                        kv_cache_dtype="float8_e4m3fn")
     engine = build_engine(smollm, cfg)
     assert all(x.dtype == jnp.float8_e4m3fn for x in engine.runner.state.cache.k + engine.runner.state.cache.v)

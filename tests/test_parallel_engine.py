@@ -16,7 +16,7 @@ from jaxserve.checkpoint import LoadedModel, save_model
 from jaxserve.cli import build_parser, parallel_from_args
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams, engine_config_for
 from jaxserve.runner import build_engine
-from tests.helpers import random_model
+from tests.helpers import cpu_env, random_model
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jax.device_count() < 12, reason="needs 12 devices (XLA_FLAGS, see tests/conftest.py)")]
@@ -65,8 +65,7 @@ def tiny(smollm, tmp_path_factory) -> tuple[LoadedModel, str]:
 
 
 def jaxserve(*args: str, devices: int = 12) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = cpu_env(devices, PYTHONPATH=REPO)
     return subprocess.Popen([sys.executable, "-m", "jaxserve.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
 
@@ -113,7 +112,8 @@ def test_a_two_process_batch_job_quantizes_on_both_and_gives_the_results_of_one(
     prompts = ["Hello there, how are you doing today my friend?", "The capital of France is"]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 4}) + "\n"
                                                for i, p in enumerate(prompts)))
-    engine = {"max_slots": 2, "page_size": 8, "num_pages": 16, "max_pages_per_slot": 8, "chunk_buckets": [16]}
+    # (one slot, the prompts one after the other: the fewest sharded steps and samplers for each process to compile)
+    engine = {"max_slots": 1, "page_size": 8, "num_pages": 16, "max_pages_per_slot": 8, "chunk_buckets": [16]}
     config = tmp_path / "batch.yaml"
     config.write_text(json.dumps({"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out.jsonl"),
                                   "model": path, "quantize": {"mode": "int8"}, "progress": False,

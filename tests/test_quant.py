@@ -26,7 +26,7 @@ from jaxserve.model.quant import (
 )
 from jaxserve.model.weights import Weights, is_spec
 from jaxserve.perplexity import perplexity, window_spans
-from tests.helpers import greedy, logits_of
+from tests.helpers import cpu_env, greedy, logits_of
 from tests.tiny_models import hf_tiny, write_gguf
 
 RNG = np.random.default_rng(0)
@@ -110,8 +110,7 @@ assert len(values.addressable_shards) == 4 and values.addressable_shards[0].data
 np.testing.assert_allclose(np.asarray(out), np.asarray(linear(x, q)), rtol=1e-6)
 print("ok", out.sharding)
 """
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.getcwd()}
+    env = cpu_env(4, PYTHONPATH=os.getcwd())
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 

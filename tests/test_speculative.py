@@ -186,7 +186,8 @@ def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_
     the tokens are the target's."""
     from jaxserve.runner import build_engine
 
-    spec = SpeculativeConfig(method="draft", num_tokens=3, model=random_draft)
+    # (NGRAM's num_tokens: the embedded target's verify steps are then those the n-gram engine compiled)
+    spec = SpeculativeConfig(method="draft", num_tokens=NGRAM.num_tokens, model=random_draft)
     params, want = greedy_load
     if target == "embedded":
         model, prompts, params, want = smollm, prompts[:16], params[:16], want[:16]
