@@ -98,6 +98,8 @@ class DecodeSuite:
 
 
 class TestReference(DecodeSuite):
+    # It takes no tiling, so a case's split count would only change its random data: one split.
+    CASES = [case for case in DecodeSuite.CASES if case[3] == 1]
     # The masking does not depend on the shapes: a covering handful.
     NAN_CASES = [("float32", 64, 1, 1), ("bfloat16", 128, 4, 3), ("bfloat16", 64, 8, 3)]
 
