@@ -19,8 +19,11 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64, 1, 2, 3, 4, 5], [200, 201, 202]]
 
 def generate(model, attention: str, prompts: list[list[int]], max_tokens: int,
              kv_cache_dtype: str = "auto") -> list[list[int]]:
+    # (decode steps of every slot only: a step of fewer rows runs the same kernels, and each step to compile holds an
+    # interpreted kernel)
     cfg = EngineConfig(max_slots=len(prompts), page_size=16, num_pages=4 * len(prompts), max_pages_per_slot=4,
-                       chunk_buckets=(16,), attention=attention, kv_cache_dtype=kv_cache_dtype)
+                       chunk_buckets=(16,), attention=attention, kv_cache_dtype=kv_cache_dtype,
+                       decode_row_buckets=(len(prompts),))
     engine = build_engine(model, cfg)
     params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
     return [r.output_ids for r in engine.generate(prompts, params)]
