@@ -47,11 +47,17 @@ def prompts(smollm):
     return out
 
 
+def load_params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=10 + i % 5) for i in range(n)]
+
+
 @pytest.fixture(scope="module")
 def greedy_load(engines, prompts):
-    """The prompts' greedy tokens without speculation, once for every proposer's check: (params, tokens)."""
-    params = [SamplingParams(max_tokens=10 + i % 5) for i in range(len(prompts))]
-    return params, [r.output_ids for r in engines[0].generate(prompts, params)]
+    """The greedy tokens without speculation of the first 16 prompts, one for each slot, once for the checks on the
+    embedded model: (prompts, params, tokens). (All 32, each slot taken twice, run on the small random model.)"""
+    prompts = prompts[:ENGINE.max_slots]
+    params = load_params(len(prompts))
+    return prompts, params, [r.output_ids for r in engines[0].generate(prompts, params)]
 
 
 def test_ngram_proposal_takes_what_followed_the_latest_match():
@@ -61,9 +67,9 @@ def test_ngram_proposal_takes_what_followed_the_latest_match():
     assert ngram_proposal([4, 1, 4], 2, 2, 3) == []  # no 2-gram repeats
 
 
-def test_greedy_tokens_are_identical_with_ngram_speculation(engines, prompts, greedy_load):
+def test_greedy_tokens_are_identical_with_ngram_speculation(engines, greedy_load):
     spec = engines[1]
-    params, want = greedy_load
+    prompts, params, want = greedy_load
     before = dataclasses.replace(spec.spec)
     got = spec.generate(prompts, params)
     assert [r.output_ids for r in got] == want
@@ -180,19 +186,18 @@ def random_llama(random_draft):
 
 
 @pytest.mark.parametrize("target", ["random", "embedded"])
-def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, greedy_load, random_draft, target, request):
+def test_greedy_tokens_are_identical_with_a_draft_model(smollm, prompts, random_draft, target, request):
     """A small random Llama of the embedded model's vocabulary as the draft. As its own target, over the 32 requests,
-    it has every draft accepted; drafting for the embedded model, over 16 of them, it has most rejected. Either way
+    it has every draft accepted; drafting for the embedded model, over the first 16, it has most rejected. Either way
     the tokens are the target's."""
     from jaxserve.runner import build_engine
 
     # (NGRAM's num_tokens: the embedded target's verify steps are then those the n-gram engine compiled)
     spec = SpeculativeConfig(method="draft", num_tokens=NGRAM.num_tokens, model=random_draft)
-    params, want = greedy_load
     if target == "embedded":
-        model, prompts, params, want = smollm, prompts[:16], params[:16], want[:16]
+        model, (prompts, params, want) = smollm, request.getfixturevalue("greedy_load")
     else:
-        model = request.getfixturevalue("random_llama")
+        model, params = request.getfixturevalue("random_llama"), load_params(len(prompts))
         want = [r.output_ids for r in build_engine(model, ENGINE).generate(prompts, params)]
     engine = build_engine(model, dataclasses.replace(ENGINE, speculative=spec))
     assert [r.output_ids for r in engine.generate(prompts, params)] == want
