@@ -27,9 +27,8 @@ EMBEDDED_ENGINE = EngineConfig(max_slots=16, page_size=16, num_pages=256, max_pa
 # lm-eval, tool calls, batch jobs): its steps too compile once for the session. Sequences up to 512 tokens (a tool
 # template's prompts); decode steps of 1 and 4 rows (EMBEDDED_ENGINE's 16 would mostly compute padding here); one
 # prefill chunk size, as each engine built loads and first-runs every step (about 0.8 s a step of this model).
-# SERVING_FIELDS is its `engine:` mapping, for the config files the CLI and server subprocesses read.
-SERVING_FIELDS = {"max_slots": 4, "page_size": 16, "num_pages": 160, "max_pages_per_slot": 32, "chunk_buckets": [32]}
-SERVING_ENGINE = EngineConfig(**{**SERVING_FIELDS, "chunk_buckets": tuple(SERVING_FIELDS["chunk_buckets"])})
+# The CLI and server subprocesses read it as `engine: dataclasses.asdict(SERVING_ENGINE)` in their config files.
+SERVING_ENGINE = EngineConfig(max_slots=4, page_size=16, num_pages=160, max_pages_per_slot=32, chunk_buckets=(32,))
 
 
 def random_model(like: LoadedModel, seed: int, **shape: Any) -> LoadedModel:

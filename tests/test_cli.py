@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import SERVING_FIELDS
+from tests.helpers import SERVING_ENGINE
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +92,7 @@ def test_bench_json_reports_throughput_and_latency():
 def test_bench_with_a_serve_config_runs_that_configs_engine(tmp_path):
     config = tmp_path / "serve.yaml"
     # (the test modules' servers compile the same steps, which the session's cache holds; JSON is YAML)
-    config.write_text(json.dumps({"engine": SERVING_FIELDS}))
+    config.write_text(json.dumps({"engine": dataclasses.asdict(SERVING_ENGINE)}))
     proc = jaxserve("bench", "--config", str(config), "--num-requests", "4", "--input-len", "20", "--output-len", "5",
                     "--json")
     assert proc.returncode == 0, proc.stderr

@@ -63,7 +63,8 @@ def test_64_requests_through_a_small_pool_match_running_alone(small, alone_small
         stop = alone[i][len(alone[i]) // 2]
         params[i] = SamplingParams(max_tokens=params[i].max_tokens, ignore_eos=True, stop_token_ids=(stop,))
         expected[i] = alone[i][:alone[i].index(stop) + 1]
-    # (decode steps of all 8 rows only: the row buckets are another test's; each would add three steps to compile)
+    # (decode steps of all 8 rows only: nothing checked here depends on the row buckets, and each would add three
+    # steps to compile)
     crowded = build_engine(small, EngineConfig(max_slots=8, page_size=16, num_pages=14, max_pages_per_slot=5,
                                                 chunk_buckets=(16, 64), prefill_rows=(1, 4), decode_page_buckets=(1, 2),
                                                 decode_row_buckets=(8,)))

@@ -3,9 +3,9 @@ than one device's pages, the command-line flags, and a two-process jax.distribut
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,7 +16,7 @@ from jaxserve.checkpoint import LoadedModel, save_model
 from jaxserve.cli import build_parser, parallel_from_args
 from jaxserve.config import EngineConfig, ParallelConfig, SamplingParams, engine_config_for
 from jaxserve.runner import build_engine
-from tests.helpers import cpu_env, random_model
+from tests.helpers import cpu_env, free_port, random_model
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(jax.device_count() < 12, reason="needs 12 devices (XLA_FLAGS, see tests/conftest.py)")]
@@ -77,12 +77,6 @@ def test_a_tp_that_does_not_divide_the_heads_is_a_clear_cli_error(tiny):
     assert "--tp 3 does not divide the model's 4 query heads; use a tp among [1, 2, 4]" in err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_on_localhost_generate_the_tokens_of_one(tiny):
     """tp=2 within each process, sp=2 across the two: every step crosses processes."""
     model, path = tiny
@@ -90,7 +84,7 @@ def test_two_processes_on_localhost_generate_the_tokens_of_one(tiny):
     ids = model.tokenizer.encode(prompt)
     expected = build_engine(model, engine_config_for([len(ids)], 5)).generate(
         [ids], [SamplingParams(max_tokens=5)])[0].output_ids
-    address = f"localhost:{_free_port()}"
+    address = f"localhost:{free_port()}"
     procs = [jaxserve("generate", "--model", path, "--json", "--max-tokens", "5", "--tp", "2", "--sp", "2",
                       "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i), prompt,
                       devices=2) for i in range(2)]
@@ -113,17 +107,18 @@ def test_a_two_process_batch_job_quantizes_on_both_and_gives_the_results_of_one(
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 4}) + "\n"
                                                for i, p in enumerate(prompts)))
     # (one slot, the prompts one after the other: the fewest sharded steps and samplers for each process to compile)
-    engine = {"max_slots": 1, "page_size": 8, "num_pages": 16, "max_pages_per_slot": 8, "chunk_buckets": [16]}
+    engine = EngineConfig(max_slots=1, page_size=8, num_pages=16, max_pages_per_slot=8, chunk_buckets=(16,))
+    on_mesh = dataclasses.replace(engine, parallel=ParallelConfig(tp=2, sp=2))
     config = tmp_path / "batch.yaml"
     config.write_text(json.dumps({"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out.jsonl"),
                                   "model": path, "quantize": {"mode": "int8"}, "progress": False,
-                                  "engine": {**engine, "parallel": {"tp": 2, "sp": 2}}}))
+                                  "engine": dataclasses.asdict(on_mesh)}))
     quantized = LoadedModel(model.config, quantize_weights(model.weights, QuantConfig(mode="int8"), jax.numpy.float32),
                             model.tokenizer, "tiny-int8")
     ids = [model.tokenizer.encode(p) for p in prompts]
-    one = build_engine(quantized, EngineConfig(**{**engine, "chunk_buckets": (16,)}))
+    one = build_engine(quantized, engine)
     expected = [r.output_ids for r in one.generate(ids, [SamplingParams(max_tokens=4)] * 2)]
-    address = f"localhost:{_free_port()}"
+    address = f"localhost:{free_port()}"
     procs = [jaxserve("batch", "--config", str(config), "--coordinator-address", address, "--num-processes", "2",
                       "--process-id", str(i), devices=2) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]

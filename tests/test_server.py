@@ -7,6 +7,7 @@ configuration (queue bound, TLS, auth) start a second server over the same engin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ from jaxserve.engine.engine import Engine
 from jaxserve.runner import build_engine, compilation_count
 from jaxserve.server.server import Server, model_info
 from tests import certs
-from tests.helpers import SERVING_ENGINE, SERVING_FIELDS, free_port, wait_until
+from tests.helpers import SERVING_ENGINE, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -481,7 +482,7 @@ def test_sigterm_drains_in_flight_calls_and_exits_zero(tmp_path):
     port, http_port = free_port(), free_port()
     config = tmp_path / "serve.yaml"
     config.write_text(json.dumps({"host": "127.0.0.1", "http_port": http_port, "metrics_port": None,  # (JSON is YAML)
-                                  "drain_timeout_s": 60, "max_tokens_limit": 200, "engine": SERVING_FIELDS}))
+                                  "drain_timeout_s": 60, "max_tokens_limit": 200, "engine": dataclasses.asdict(ENGINE)}))
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
